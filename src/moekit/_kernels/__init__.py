@@ -1,0 +1,1 @@
+"""Every ``@triton.jit`` function in moekit lives in this package and nowhere else."""

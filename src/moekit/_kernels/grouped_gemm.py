@@ -1,0 +1,197 @@
+"""Persistent grouped GEMM kernels over ragged expert groups.
+
+Two kernels cover every form of ``moekit.grouped_mm``:
+
+* ``_grouped_mm_ragged_m_kernel``: ``c[rows_g] = a[rows_g] @ b[g]``, rows of ``a`` split into groups by
+  ``offs`` (forward and dgrad). Rows at or past ``offs[-1]`` are written as zeros.
+* ``_grouped_mm_ragged_k_kernel``: ``c[g] = a[:, ks_g:ke_g] @ b[ks_g:ke_g]``, the reduction dim split by
+  ``offs`` (wgrad). An empty group gets an exact zero.
+
+Both run one program per SM, walk a tile list that only exists on the device (derived from ``offs``),
+and never read the host. Memory access goes through either TMA tensor descriptors (Hopper) or plain
+masked pointers (any other target and the CPU interpreter), chosen by the ``USE_TMA`` constexpr.
+
+Row-bounded descriptors: a group's rows end at a run-time ``end``; TMA can only bound a box by a
+descriptor's static shape. ``make_row_bounded_descriptor`` (host side) prepends two dimensions whose
+strides wrap around in 64-bit address arithmetic, so that the coordinates
+``(BIG, end, BIG - end + row)`` address row ``row`` while the hardware bounds check on the third
+coordinate (``< BIG``) becomes ``row < end``. Reads past ``end`` return zeros and writes past it are
+dropped. The idea is the one behind ``triton.tools.ragged_tma``; this is a separate, interpreter-safe
+formulation with a single upper bound.
+"""
+
+import triton
+import triton.language as tl
+
+ROW_BOUND_BIG = 1 << 30
+
+
+# --------------------------------------------------------------------------------------------------
+# tile helpers
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _swizzle(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """Map a tile index inside one group to (pid_m, pid_n), GROUP_M row-tiles at a time for L2 reuse."""
+    width = GROUP_M * tiles_n
+    first_m = (local // width) * GROUP_M
+    rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (local % width) % rows
+    pid_n = (local % width) // rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def _bounded_load(desc, end, row, col, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Load a [BLOCK_R, BLOCK_C] box at (row, col) from a row-bounded descriptor; rows >= end read 0."""
+    big: tl.constexpr = ROW_BOUND_BIG
+    x = desc.load([big, end, big - end + row, col])
+    return tl.reshape(x, [BLOCK_R, BLOCK_C])
+
+
+@triton.jit
+def _bounded_store(desc, end, row, col, x, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Store a [BLOCK_R, BLOCK_C] box at (row, col) into a row-bounded descriptor; rows >= end drop."""
+    big: tl.constexpr = ROW_BOUND_BIG
+    desc.store([big, end, big - end + row, col], tl.reshape(x, [1, 1, BLOCK_R, BLOCK_C]))
+
+
+@triton.jit
+def _load_2d(src, base, row, col, row_end, col_end, stride_r, stride_c,
+             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Pointer path: the [BLOCK_R, BLOCK_C] tile at (row, col) of ``src + base``; out of range reads 0."""
+    rows = row + tl.arange(0, BLOCK_R)
+    cols = col + tl.arange(0, BLOCK_C)
+    ptrs = src + base + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c
+    mask = (rows[:, None] < row_end) & (cols[None, :] < col_end)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_F32: tl.constexpr):
+    # The CPU interpreter computes tl.dot on bf16/fp16 operands wrongly; upcast there.
+    if DOT_F32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc)
+
+
+# --------------------------------------------------------------------------------------------------
+# 2D x 3D: rows ragged (forward, dgrad)
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _grouped_mm_ragged_m_kernel(
+    a, b, c, offs_ptr,  # a (M, K); b (E, K, N); c (M, N); offs (E,) int32 cumulative row ends
+    # TMA path: a is a (M, K) descriptor, b an (E, K, N) one or, with B_TRANS, (E, N, K); c is
+    # row-bounded. Pointer path: raw pointers and the strides below.
+    M, N, K, E,
+    stride_am, stride_ak,
+    stride_be, stride_bk, stride_bn,
+    stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, NUM_SMS: tl.constexpr,
+    B_TRANS: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+
+    # Group table, E real groups plus group E: the tail rows [offs[-1], M) that get zeros.
+    e = tl.arange(0, BLOCK_E)
+    ends = tl.load(offs_ptr + e, mask=e < E, other=M)
+    starts = tl.load(offs_ptr + e - 1, mask=(e >= 1) & (e <= E), other=0)
+    starts = tl.where(e > E, M, starts)
+    ends = tl.minimum(tl.maximum(ends, 0), M)  # clamp: a bad offs must never write out of bounds
+    starts = tl.minimum(tl.maximum(starts, 0), ends)
+    tiles = tl.cdiv(ends - starts, BLOCK_M) * tiles_n
+    tiles_end = tl.cumsum(tiles, 0)
+    total = tl.sum(tiles, 0)
+
+    for tile in tl.range(pid, total, NUM_SMS, flatten=FLATTEN):
+        g = tl.sum((tiles_end <= tile).to(tl.int32), 0)
+        hit = e == g
+        first = tl.sum(tl.where(hit, tiles_end - tiles, 0), 0)
+        start = tl.sum(tl.where(hit, starts, 0), 0)
+        end = tl.sum(tl.where(hit, ends, 0), 0)
+        pid_m, pid_n = _swizzle(tile - first, tl.cdiv(end - start, BLOCK_M), tiles_n, GROUP_M)
+        row = start + pid_m * BLOCK_M
+        col = pid_n * BLOCK_N
+        b_base = g.to(tl.int64) * stride_be
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        k_iters = tl.where(g < E, k_tiles, 0)  # the tail group only writes zeros
+        for ki in range(k_iters):
+            k = ki * BLOCK_K
+            if USE_TMA:
+                a_tile = a.load([row, k])
+                if B_TRANS:
+                    b_tile = tl.reshape(b.load([g, col, k]), [BLOCK_N, BLOCK_K]).T
+                else:
+                    b_tile = tl.reshape(b.load([g, k, col]), [BLOCK_K, BLOCK_N])
+            else:
+                a_tile = _load_2d(a, 0, row, k, M, K, stride_am, stride_ak, BLOCK_M, BLOCK_K)
+                b_tile = _load_2d(b, b_base, k, col, K, N, stride_bk, stride_bn, BLOCK_K, BLOCK_N)
+            acc = _dot(a_tile, b_tile, acc, DOT_F32)
+
+        if USE_TMA:
+            _bounded_store(c, end, row, col, acc.to(c.dtype), BLOCK_M, BLOCK_N)
+        else:
+            out = acc.to(c.dtype.element_ty)
+            rows = row + tl.arange(0, BLOCK_M)
+            cols = col + tl.arange(0, BLOCK_N)
+            ptrs = c + rows[:, None].to(tl.int64) * stride_cm + cols[None, :] * stride_cn
+            tl.store(ptrs, out, mask=(rows[:, None] < end) & (cols[None, :] < N))
+
+
+# --------------------------------------------------------------------------------------------------
+# 2D x 2D: reduction dim ragged (wgrad)
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _grouped_mm_ragged_k_kernel(
+    a, b, c, offs_ptr,  # a (M, Kt); b (Kt, N); c (E, M, N); offs (E,) int32 cumulative ends along Kt
+    M, N, KT, E,
+    stride_am, stride_ak,
+    stride_bk, stride_bn,
+    stride_ce, stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    # On the TMA path the launcher hands over a with its unit stride along M and b with its unit
+    # stride along N, so the ragged reduction dim is the memory-row axis of both descriptors and can
+    # be row-bounded: rows of the next group read as zero, whatever they hold.
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = tiles_m * tiles_n
+    total = E * per_group
+
+    for tile in tl.range(pid, total, NUM_SMS, flatten=FLATTEN):
+        g = tile // per_group
+        pid_m, pid_n = _swizzle(tile % per_group, tiles_m, tiles_n, GROUP_M)
+        row = pid_m * BLOCK_M
+        col = pid_n * BLOCK_N
+        k_end = tl.minimum(tl.maximum(tl.load(offs_ptr + g), 0), KT)
+        k_start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+        k_start = tl.minimum(tl.maximum(k_start, 0), k_end)
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(k_start, k_end, BLOCK_K):
+            if USE_TMA:
+                a_tile = _bounded_load(a, k_end, k, row, BLOCK_K, BLOCK_M).T
+                b_tile = _bounded_load(b, k_end, k, col, BLOCK_K, BLOCK_N)
+            else:
+                a_tile = _load_2d(a, 0, row, k, M, k_end, stride_am, stride_ak, BLOCK_M, BLOCK_K)
+                b_tile = _load_2d(b, 0, k, col, k_end, N, stride_bk, stride_bn, BLOCK_K, BLOCK_N)
+            acc = _dot(a_tile, b_tile, acc, DOT_F32)
+
+        if USE_TMA:
+            out = acc.to(c.dtype)
+            c.store([g, row, col], tl.reshape(out, [1, BLOCK_M, BLOCK_N]))
+        else:
+            out = acc.to(c.dtype.element_ty)
+            rows = row + tl.arange(0, BLOCK_M)
+            cols = col + tl.arange(0, BLOCK_N)
+            ptrs = (c + g.to(tl.int64) * stride_ce + rows[:, None].to(tl.int64) * stride_cm
+                    + cols[None, :] * stride_cn)
+            tl.store(ptrs, out, mask=(rows[:, None] < M) & (cols[None, :] < N))

@@ -1,0 +1,118 @@
+"""Tile configurations, the one heuristic that picks them, and target detection.
+
+Every kernel launch in moekit takes its tile shape from ``grouped_mm_config``; tests pin a config to
+cover a code path on purpose. Figures behind the choices live in bench/results/.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One launch configuration of a grouped GEMM kernel.
+
+    ``block_m`` x ``block_n`` is the output tile, ``block_k`` the reduction step; ``group_m`` row
+    tiles are walked together for L2 reuse; ``flatten`` lets Triton fuse the persistent tile loop
+    with the K loop so the next tile's loads overlap this tile's epilogue.
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    flatten: bool = False
+
+
+_debug = os.environ.get("MOEKIT_DEBUG", "0") not in ("", "0")
+
+
+def set_debug(enabled: bool) -> None:
+    """Turn on checks that need a device sync (offs monotonic and in bounds) for every op call."""
+    global _debug
+    _debug = bool(enabled)
+
+
+def debug_enabled() -> bool:
+    """Whether ``set_debug(True)`` or ``MOEKIT_DEBUG=1`` asked for sync-costing input checks."""
+    return _debug
+
+
+_poison = False
+
+
+def set_poison(enabled: bool) -> None:
+    """Test aid: fill every kernel output with NaN before the launch, so an unwritten element shows."""
+    global _poison
+    _poison = bool(enabled)
+
+
+def empty(shape, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Allocate a kernel output (NaN-filled when ``set_poison(True)``)."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    return out.fill_(float("nan")) if _poison else out
+
+
+def is_interpreting() -> bool:
+    """True when Triton runs kernels on the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def uses_triton(device: torch.device) -> bool:
+    """Whether ops on ``device`` go through the Triton kernels (else the pure-PyTorch reference)."""
+    return device.type == "cuda" or is_interpreting()
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def use_tma(device: torch.device) -> bool:
+    """TMA descriptors on Hopper and newer; ``MOEKIT_NO_TMA=1`` forces the pointer path."""
+    if os.environ.get("MOEKIT_NO_TMA", "0") not in ("", "0"):
+        return False
+    if device.type != "cuda":
+        return is_interpreting()  # the interpreter emulates descriptors; tests cover both paths
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Programs in a persistent launch: one per SM (a small fixed number on the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_INTERPRETER_CONFIG = TileConfig(block_m=32, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
+
+
+def grouped_mm_config(m: int, n: int, k: int, num_groups: int, *, ragged_k: bool, device: torch.device) -> TileConfig:
+    """Pick the tile configuration for a grouped GEMM.
+
+    ``m`` x ``n`` is the output of one group's GEMM (for the ragged-M form, ``m`` is the average rows
+    per group), ``k`` the reduction length (for the ragged-K form, the average per group).
+    """
+    if device.type != "cuda":
+        return _INTERPRETER_CONFIG
+    if not ragged_k and m <= 64:
+        # Few rows per expert: the GEMM streams the weights once; wide K steps and deep pipelines keep
+        # enough bytes in flight to approach copy bandwidth.
+        return TileConfig(block_m=64, block_n=128, block_k=128, group_m=1, num_warps=4, num_stages=4)
+    if ragged_k and k <= 128:
+        return TileConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+    if not ragged_k and m <= 128:
+        return TileConfig(block_m=64, block_n=256, block_k=64, group_m=8, num_warps=4, num_stages=4)
+    return TileConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)

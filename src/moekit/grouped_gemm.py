@@ -1,0 +1,326 @@
+"""``grouped_mm``: GEMM over ragged expert groups, a drop-in for ``torch._grouped_mm`` with autograd.
+
+Reads as: reference (``reference.grouped_mm_ref``) -> kernels (``_kernels/grouped_gemm.py``) ->
+launcher (``grouped_mm_fwd``) -> custom op ``moekit::grouped_mm`` with a fake and an autograd formula
+(``grouped_mm_bwd``, itself written with the op) -> public ``grouped_mm``.
+
+Legend: E groups (experts), M rows, N output columns, K reduction length, Kt the ragged reduction
+length of the 2D x 2D form.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from . import config
+from ._kernels.grouped_gemm import (
+    ROW_BOUND_BIG,
+    _grouped_mm_ragged_k_kernel,
+    _grouped_mm_ragged_m_kernel,
+)
+from .reference import grouped_mm_ref
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - triton without host descriptors: pointer path only
+    TensorDescriptor = None
+
+_IN_DTYPES = (torch.bfloat16, torch.float16)
+_ALIGN = 16  # bytes: TMA base/stride alignment, and the contract torch._grouped_mm has too
+
+# --------------------------------------------------------------------------------------------------
+# validation
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_layout(name: str, t: torch.Tensor) -> None:
+    """One of the two matrix dims must have unit stride; every other stride and the base 16-byte aligned."""
+    item = t.element_size()
+    inner = t.stride()[-2:]
+    if 1 not in inner and not (t.shape[-1] <= 1 or t.shape[-2] <= 1):
+        raise ValueError(
+            f"grouped_mm: {name} needs a unit stride along one of its last two dims, got strides "
+            f"{tuple(t.stride())} for shape {tuple(t.shape)}; call .contiguous() first"
+        )
+    unit_dim = t.dim() - 1 if t.stride(-1) == 1 else t.dim() - 2
+    for d in range(t.dim()):
+        if d != unit_dim and t.shape[d] > 1 and (t.stride(d) * item) % _ALIGN:
+            raise ValueError(
+                f"grouped_mm: {name}.stride({d}) = {t.stride(d)} elements is not a multiple of "
+                f"{_ALIGN} bytes ({_ALIGN // item} elements of {t.dtype}); pad that dim or copy"
+            )
+    if (t.storage_offset() * item) % _ALIGN:
+        raise ValueError(
+            f"grouped_mm: {name} starts {t.storage_offset()} elements into its storage, not on a "
+            f"{_ALIGN}-byte boundary; copy it or slice at an aligned offset"
+        )
+
+
+def _check_inputs(a, b, offs, out_dtype) -> str:
+    """Validate everything that needs no host sync; return the form ('2d3d', '2d2d', '3d3d')."""
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"grouped_mm: {name} must be a tensor, got {type(t).__name__}")
+        if t.dtype not in _IN_DTYPES:
+            raise TypeError(f"grouped_mm: {name} must be bfloat16 or float16, got {t.dtype}")
+    if a.dtype != b.dtype:
+        raise TypeError(f"grouped_mm: a and b must share a dtype, got {a.dtype} and {b.dtype}")
+    if out_dtype not in (None, a.dtype, torch.float32):
+        raise TypeError(f"grouped_mm: out_dtype must be None, {a.dtype} or torch.float32, got {out_dtype}")
+    if a.device != b.device:
+        raise ValueError(f"grouped_mm: a is on {a.device} but b is on {b.device}")
+    form = f"{a.dim()}d{b.dim()}d"
+    if form not in ("2d3d", "2d2d", "3d3d"):
+        raise ValueError(f"grouped_mm: supported forms are 2D x 3D, 2D x 2D and 3D x 3D, got {form}")
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"grouped_mm: K mismatch, a {tuple(a.shape)} vs b {tuple(b.shape)}")
+    if form == "3d3d":
+        if offs is not None:
+            raise ValueError("grouped_mm: 3D x 3D takes no offs (each batch is one group)")
+        if a.shape[0] != b.shape[0]:
+            raise ValueError(f"grouped_mm: batch mismatch, a {tuple(a.shape)} vs b {tuple(b.shape)}")
+    else:
+        if offs is None:
+            raise ValueError(f"grouped_mm: the {form} form needs offs (E,) int32")
+        if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or offs.dim() != 1:
+            got = f"{offs.dtype} {offs.dim()}-D" if isinstance(offs, torch.Tensor) else type(offs).__name__
+            raise TypeError(f"grouped_mm: offs must be a 1-D int32 tensor, got {got}")
+        if offs.device != a.device:
+            raise ValueError(f"grouped_mm: offs is on {offs.device} but a is on {a.device}")
+        if offs.numel() == 0:
+            raise ValueError("grouped_mm: offs must hold at least one group")
+        if form == "2d3d" and offs.numel() != b.shape[0]:
+            raise ValueError(f"grouped_mm: offs has {offs.numel()} entries but b has E = {b.shape[0]} groups")
+    _check_layout("a", a)
+    _check_layout("b", b)
+    return form
+
+
+def check_offs(offs: torch.Tensor, bound: int) -> None:
+    """Check ``0 <= offs[0] <= offs[1] <= ... <= offs[-1] <= bound``. Syncs with the device."""
+    ok_start = bool(offs[0] >= 0)
+    ok_mono = bool((offs[1:] >= offs[:-1]).all()) if offs.numel() > 1 else True
+    ok_end = bool(offs[-1] <= bound)
+    if not (ok_start and ok_mono and ok_end):
+        raise ValueError(
+            f"grouped_mm: offs must be non-decreasing cumulative ends within [0, {bound}], got {offs.tolist()}"
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# launchers
+# --------------------------------------------------------------------------------------------------
+
+
+def _tma_ok(t: torch.Tensor, unit_dim: int) -> bool:
+    """Whether ``t`` can back a TMA descriptor with ``unit_dim`` as its contiguous axis."""
+    item = t.element_size()
+    if t.stride(unit_dim) != 1 or t.data_ptr() % _ALIGN:
+        return False
+    return all((t.stride(d) * item) % _ALIGN == 0 for d in range(t.dim()) if d != unit_dim % t.dim())
+
+
+def _row_bounded(t: torch.Tensor, block: list[int]):
+    """Descriptor over a 2-D row-major ``t`` whose row bound is set per access (see the kernels' doc)."""
+    s = t.stride(0)
+    big = ROW_BOUND_BIG
+    return TensorDescriptor(t, [0x7FFF0000, 0x7FFF0000, big, t.shape[1]], [2**34 - s, s, s, 1], [1, 1, *block])
+
+
+def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None):
+    """2D x 3D: a (M, K), b (E, K, N) -> (M, N); rows at or past offs[-1] are zero."""
+    (m, k), (e, _, n) = a.shape, b.shape
+    out = config.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    cfg = cfg or config.grouped_mm_config(m // e, n, k, e, ragged_k=False, device=a.device)
+    a_trans, b_trans = a.stride(1) != 1, b.stride(2) != 1
+    # A TMA box must start 16-byte aligned along the unit-stride axis; groups start at any row, so an
+    # `a` with unit stride along M (a.mT views) takes the pointer path.
+    tma = (
+        TensorDescriptor is not None
+        and config.use_tma(a.device)
+        and not a_trans
+        and _tma_ok(a, 1)
+        and _tma_ok(b, 1 if b_trans else 2)
+        and _tma_ok(out, 1)
+    )
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    if tma:
+        a_arg = TensorDescriptor(a, [m, k], [a.stride(0), 1], [bm, bk])
+        b_arg = (TensorDescriptor(b, [e, n, k], [b.stride(0), b.stride(2), 1], [1, bn, bk]) if b_trans
+                 else TensorDescriptor(b, [e, k, n], [b.stride(0), b.stride(1), 1], [1, bk, bn]))
+        c_arg = _row_bounded(out, [bm, bn])
+    else:
+        a_arg, b_arg, c_arg = a, b, out
+    sms = config.num_sms(a.device)
+    max_tiles = (triton.cdiv(m, bm) + e + 1) * triton.cdiv(n, bn)
+    _grouped_mm_ragged_m_kernel[(min(sms, max_tiles),)](
+        a_arg, b_arg, c_arg, offs,
+        m, n, k, e,
+        a.stride(0), a.stride(1),
+        b.stride(0), b.stride(1), b.stride(2),
+        out.stride(0), out.stride(1),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(e + 1), NUM_SMS=sms,
+        B_TRANS=b_trans,
+        USE_TMA=tma, DOT_F32=config.is_interpreting(), FLATTEN=cfg.flatten,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None):
+    """2D x 2D: a (M, Kt), b (Kt, N), offs over Kt -> (E, M, N); empty groups are zero."""
+    (m, kt), n, e = a.shape, b.shape[1], offs.numel()
+    out = config.empty((e, m, n), dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    if kt == 0:
+        return out.zero_()
+    cfg = cfg or config.grouped_mm_config(m, n, kt // e, e, ragged_k=True, device=a.device)
+    # TMA bounds the ragged reduction dim only on a memory-row axis: a's unit stride must run along
+    # M and b's along N (the layout autograd hands over: x.mT and dy). Otherwise the pointer path.
+    tma = (
+        TensorDescriptor is not None
+        and config.use_tma(a.device)
+        and _tma_ok(a, 0)
+        and _tma_ok(b, 1)
+        and _tma_ok(out, 2)
+    )
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    if tma:
+        a_arg = _row_bounded(a.mT, [bk, bm])
+        b_arg = _row_bounded(b, [bk, bn])
+        c_arg = TensorDescriptor(out, [e, m, n], [out.stride(0), out.stride(1), 1], [1, bm, bn])
+    else:
+        a_arg, b_arg, c_arg = a, b, out
+    sms = config.num_sms(a.device)
+    max_tiles = e * triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    _grouped_mm_ragged_k_kernel[(min(sms, max_tiles),)](
+        a_arg, b_arg, c_arg, offs,
+        m, n, kt, e,
+        a.stride(0), a.stride(1),
+        b.stride(0), b.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, NUM_SMS=sms,
+        USE_TMA=tma, DOT_F32=config.is_interpreting(), FLATTEN=cfg.flatten,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def grouped_mm_fwd(a, b, offs, out_dtype=None, cfg: config.TileConfig | None = None) -> torch.Tensor:
+    """Launch the grouped GEMM for a validated 2D x 3D or 2D x 2D problem (see ``grouped_mm``)."""
+    out_dtype = out_dtype or a.dtype
+    if b.dim() == 3:
+        return _ragged_m(a, b, offs, out_dtype, cfg)
+    return _ragged_k(a, b, offs, out_dtype, cfg)
+
+
+def _matrix_ready(t: torch.Tensor) -> torch.Tensor:
+    """Gradients can arrive expanded (stride 0) or misaligned; copy only then (shape-level test, so
+    it also traces under torch.compile)."""
+    item = t.element_size()
+    if 1 in t.stride()[-2:] and (t.storage_offset() * item) % _ALIGN == 0:
+        unit = t.dim() - 1 if t.stride(-1) == 1 else t.dim() - 2
+        if all((t.stride(d) * item) % _ALIGN == 0 for d in range(t.dim()) if d != unit):
+            return t
+    return t.contiguous()
+
+
+# --------------------------------------------------------------------------------------------------
+# custom op + autograd
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("moekit::grouped_mm", mutates_args=())
+def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype | None) -> torch.Tensor:
+    return grouped_mm_fwd(a, b, offs, out_dtype)
+
+
+@_grouped_mm_op.register_fake
+def _(a, b, offs, out_dtype):
+    dtype = out_dtype or a.dtype
+    if b.dim() == 3:
+        return a.new_empty((a.shape[0], b.shape[2]), dtype=dtype)
+    return a.new_empty((offs.shape[0], a.shape[0], b.shape[1]), dtype=dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    a, b, offs, _ = inputs
+    ctx.save_for_backward(a, b, offs)
+
+
+def _backward(ctx, grad):
+    a, b, offs = ctx.saved_tensors
+    grad_a, grad_b = grouped_mm_bwd(grad, a, b, offs, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+    return grad_a, grad_b, None, None
+
+
+def grouped_mm_bwd(grad, a, b, offs, needs_a: bool, needs_b: bool):
+    """Gradients of ``grouped_mm`` (2D x 3D: dgrad ragged-M, wgrad ragged-K; 2D x 2D: the mirror).
+
+    Runs through the op itself, so compile, opcheck and graph capture see only moekit::grouped_mm,
+    and both gradients reuse the two kernels. An empty group's gradient is exactly zero.
+    """
+    grad = grad.to(a.dtype)
+    if b.dim() == 3:
+        grad_a = _grouped_mm_op(_matrix_ready(grad), b.mT, offs, None) if needs_a else None
+        grad_b = _grouped_mm_op(a.mT, _matrix_ready(grad), offs, None) if needs_b else None
+    else:
+        grad_a = _grouped_mm_op(b, _matrix_ready(grad).mT, offs, None).mT if needs_a else None
+        grad_b = _grouped_mm_op(a.mT, _matrix_ready(grad), offs, None) if needs_b else None
+    return grad_a, grad_b
+
+
+_grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------------
+# public op
+# --------------------------------------------------------------------------------------------------
+
+
+def grouped_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
+    validate: bool = False,
+) -> torch.Tensor:
+    """Grouped GEMM over ragged groups with ``torch._grouped_mm`` semantics, differentiable.
+
+    Forms (bf16 or fp16 inputs of one dtype, fp32 accumulation, output ``out_dtype`` = input dtype
+    by default, or ``torch.float32``):
+
+    - 2D x 3D: ``a`` (M, K), ``b`` (E, K, N), ``offs`` (E,) int32 cumulative row ends with
+      ``offs[-1] <= M``. Returns (M, N) with ``out[offs[g-1]:offs[g]] = a[...] @ b[g]``; rows at or
+      past ``offs[-1]`` are **zero** (torch leaves them undefined).
+    - 2D x 2D (ragged K, the weight-gradient form): ``a`` (M, Kt), ``b`` (Kt, N), ``offs`` (E,) over
+      Kt. Returns (E, M, N) with ``out[g] = a[:, ks:ke] @ b[ks:ke]``; an empty group is exactly zero.
+    - 3D x 3D: ``a`` (E, M, K), ``b`` (E, K, N), no ``offs``: a batched product.
+
+    Layout: each operand needs a unit stride along one of its last two dims (so ``w.mT`` views work
+    without a copy) and 16-byte aligned other strides and base. ``offs`` stays on the device and is
+    never read by the host; ``validate=True`` (or ``moekit.set_debug(True)``) checks that it is
+    non-decreasing and in bounds, at the cost of a device sync.
+
+    Runs Triton kernels on CUDA (TMA + wgmma on Hopper) and under ``TRITON_INTERPRET=1``; otherwise
+    the pure-PyTorch ``grouped_mm_ref``.
+    """
+    form = _check_inputs(a, b, offs, out_dtype)
+    if form == "3d3d":
+        e, m, k = a.shape
+        rows = torch.arange(1, e + 1, device=a.device, dtype=torch.int32) * m
+        out = grouped_mm(a.reshape(e * m, k), b, rows, out_dtype=out_dtype)
+        return out.view(e, m, b.shape[-1])
+    if validate or config.debug_enabled():
+        check_offs(offs, a.shape[0] if form == "2d3d" else a.shape[1])
+    if not config.uses_triton(a.device):
+        return grouped_mm_ref(a, b, offs, out_dtype=out_dtype)
+    return _grouped_mm_op(a, b, offs, out_dtype)

@@ -1,0 +1,70 @@
+"""Test and benchmark helpers: error metrics, ragged offsets, input generators."""
+
+from __future__ import annotations
+
+import torch
+
+# Max-relative and RMS-relative error bounds against a float64 reference, per output dtype. A bf16
+# output carries 2**-8 relative rounding; the accumulation order of a K ~ 3k dot adds a little.
+TOLERANCES = {
+    torch.bfloat16: (2e-2, 6e-3),
+    torch.float16: (4e-3, 1.5e-3),
+    torch.float32: (2e-3, 5e-4),
+}
+
+
+def rel_errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(max |out - ref| / max |ref|, ||out - ref|| / ||ref||), in float64; NaN anywhere gives inf."""
+    out64, ref64 = out.detach().double(), ref.detach().double()
+    if not torch.isfinite(out64).all():
+        return float("inf"), float("inf")
+    diff = (out64 - ref64).abs()
+    scale_max = ref64.abs().max().clamp_min(1e-30)
+    scale_rms = ref64.norm().clamp_min(1e-30)
+    return float(diff.max() / scale_max), float(diff.norm() / scale_rms)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype | None = None, *, what: str = "") -> None:
+    """Assert shape match, all-finite, and max/RMS relative error within ``TOLERANCES[dtype]``.
+
+    An exact-zero reference (an empty group) demands an exact-zero output.
+    """
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    if ref.numel() == 0:
+        return
+    if not ref.detach().any():
+        assert not out.detach().any(), f"{what}: expected exact zeros, max |out| = {out.abs().max()}"
+        return
+    max_tol, rms_tol = TOLERANCES[dtype or out.dtype]
+    e_max, e_rms = rel_errors(out, ref)
+    assert e_max <= max_tol and e_rms <= rms_tol, (
+        f"{what}: max-rel {e_max:.3g} (tol {max_tol}), rms-rel {e_rms:.3g} (tol {rms_tol})"
+    )
+
+
+def offs_from_counts(counts, device=None) -> torch.Tensor:
+    """Cumulative row ends (E,) int32 from per-group counts (a list or a tensor)."""
+    counts = torch.as_tensor(counts, dtype=torch.int64, device=device)
+    return torch.cumsum(counts, 0).to(torch.int32)
+
+
+def routed_counts(
+    tokens: int, experts: int, top_k: int, *, skew: float = 0.0, generator=None, device=None
+) -> torch.Tensor:
+    """Per-expert row counts (E,) of top-k routing of ``softmax(randn(T, E) + skew * linspace(0, 1, E))``.
+
+    ``skew=0`` is the balanced case of BENCH.md, ``skew=3`` its skewed one.
+    """
+    logits = torch.randn(tokens, experts, generator=generator, device=device)
+    logits = logits + skew * torch.linspace(0, 1, experts, device=device)
+    ids = logits.softmax(-1).topk(top_k, dim=-1).indices
+    return torch.bincount(ids.flatten(), minlength=experts)
+
+
+def random_counts(total: int, groups: int, *, generator=None) -> list[int]:
+    """A random split of ``total`` rows into ``groups`` counts, some of which may be zero."""
+    if groups == 1:
+        return [total]
+    cuts = torch.randint(0, total + 1, (groups - 1,), generator=generator).sort().values.tolist()
+    edges = [0, *cuts, total]
+    return [edges[i + 1] - edges[i] for i in range(groups)]
