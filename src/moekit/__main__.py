@@ -1,0 +1,78 @@
+"""``python -m moekit bench | info``.
+
+bench: on a GPU, the grouped-GEMM table against torch._grouped_mm and a dense matmul for the BENCH.md
+shapes; on a CPU, the same table for a small configuration through the pure-PyTorch reference. Prints
+the table and writes it, with a PNG plot, to ``--out`` (default bench/out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+import torch
+
+
+def _progress():
+    try:
+        from tqdm import tqdm
+
+        return lambda it: tqdm(it, desc="grouped_mm", unit="problem", file=sys.stderr)
+    except ImportError:
+        return None
+
+
+def _bench(args) -> None:
+    from .bench import CPU_SHAPES, SHAPES
+    from .bench import grouped_mm as bench_grouped_mm
+    from .config import uses_triton
+
+    on_gpu = torch.cuda.is_available()
+    known = SHAPES if on_gpu else {**SHAPES, **CPU_SHAPES}
+    names = args.shape or (list(SHAPES) if on_gpu else list(CPU_SHAPES))
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown shape(s) {unknown}; choose from {sorted(known)}")
+    shapes = [known[n] for n in names]
+    if args.tokens:
+        shapes = [dataclasses.replace(s, tokens=args.tokens) for s in shapes]
+    path = "Triton kernels" if uses_triton(torch.device("cuda" if on_gpu else "cpu")) else "pure-PyTorch reference"
+    print(f"moekit bench: grouped_mm through the {path}", file=sys.stderr)
+    os.makedirs(args.out, exist_ok=True)
+    md = os.path.join(args.out, "grouped_mm.md")
+    png = os.path.join(args.out, "grouped_mm.png")
+    print(bench_grouped_mm.main(shapes, out_md=md, out_png=png, progress=_progress()))
+    print(f"\nwrote {md}" + (f" and {png}" if os.path.exists(png) else ""), file=sys.stderr)
+
+
+def _info(_args) -> None:
+    import triton
+
+    from . import __version__, config
+
+    print(f"moekit {__version__} | torch {torch.__version__} | triton {triton.__version__}")
+    if torch.cuda.is_available():
+        dev = torch.device("cuda")
+        print(f"GPU: {torch.cuda.get_device_name()} | SMs {config.num_sms(dev)} | TMA {config.use_tma(dev)}")
+    else:
+        print("no GPU: ops run the pure-PyTorch reference (TRITON_INTERPRET=1 runs the kernels on CPU)")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="moekit", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    bench = sub.add_parser("bench", help="time moekit against its baselines and print a table")
+    bench.add_argument("--shape", action="append", help="a BENCH.md shape name (repeatable); default: all")
+    bench.add_argument("--tokens", type=int, help="tokens per rank T (default: the shape's, 24576)")
+    bench.add_argument("--out", default=os.path.join("bench", "out"), help="folder for the table and plot")
+    bench.set_defaults(fn=_bench)
+    info = sub.add_parser("info", help="versions and the device path moekit will take")
+    info.set_defaults(fn=_info)
+    args = parser.parse_args(argv)
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Benchmarks behind ``python -m moekit bench`` and the scripts in benchmarks/.
+
+Method (../shared/BENCH.md): median of ``triton.testing.do_bench`` after warm-up, random inputs,
+ratios against the baselines measured in the same process, FLOPs counted as 2*M*N*K per GEMM.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """One MoE configuration of BENCH.md: D model dim, F expert hidden dim, E experts, top-k, T tokens."""
+
+    name: str
+    d: int
+    f: int
+    e: int
+    top_k: int
+    tokens: int = 24576
+
+
+SHAPES = {
+    s.name: s
+    for s in (
+        MoEShape("gpt-oss-20b", 2880, 2880, 32, 4),
+        MoEShape("gpt-oss-120b", 2880, 2880, 128, 4),
+        MoEShape("qwen3-30b-a3b", 2048, 768, 128, 8),
+        MoEShape("mixtral-8x7b", 4096, 14336, 8, 2),
+        MoEShape("small-M", 2880, 2880, 32, 4, tokens=256),
+    )
+}
+
+# A CPU-sized configuration for the reference path.
+CPU_SHAPES = {"tiny-cpu": MoEShape("tiny-cpu", 256, 256, 8, 2, tokens=512)}
+
+
+def bench_ms(fn, *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median milliseconds per call: CUDA events through do_bench on GPU, a wall clock on CPU."""
+    if torch.cuda.is_available():
+        import triton
+
+        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    fn()
+    times = []
+    deadline = time.perf_counter() + rep_ms / 1e3
+    while time.perf_counter() < deadline or len(times) < 3:
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    src = torch.randn(nbytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    return 2 * nbytes / ms / 1e6
+
+
+def geomean(xs) -> float:
+    xs = [x for x in xs if x and math.isfinite(x)]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def environment() -> str:
+    """One line naming the date, device and versions, for the head of every result table."""
+    import datetime
+
+    import triton
+
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    return (
+        f"{datetime.date.today().isoformat()} | {dev} | torch {torch.__version__} | triton {triton.__version__}"
+        f" | CUDA {torch.version.cuda}"
+    )

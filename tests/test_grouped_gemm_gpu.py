@@ -1,0 +1,197 @@
+"""grouped_mm on a CUDA GPU: realistic shapes against a float64 reference, every tile config the
+heuristic can pick, autograd, no host sync, CUDA graphs, opcheck and torch.compile."""
+
+import pytest
+import torch
+
+from moekit import config, grouped_mm, grouped_mm_ref
+from moekit.grouped_gemm import _grouped_mm_op, grouped_mm_fwd
+from moekit.testing import assert_close, offs_from_counts, random_counts, routed_counts
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+BF16 = torch.bfloat16
+
+
+def _ref(a, b, offs):
+    return grouped_mm_ref(torch.nan_to_num(a.double()), torch.nan_to_num(b.double()), offs)
+
+
+def _ragged_m_inputs(counts, m, k, n, *, b_trans=True):
+    offs = offs_from_counts(counts, device=DEV)
+    a = torch.randn(m, k, device=DEV).to(BF16)
+    a[int(sum(counts)) :] = float("nan")  # unowned rows: must not leak
+    e = len(counts)
+    b = torch.randn(e, n, k, device=DEV).to(BF16).mT if b_trans else torch.randn(e, k, n, device=DEV).to(BF16)
+    return a, b / k**0.5, offs
+
+
+# (E, rows, K, N, routing) and why
+SHAPES = [
+    pytest.param(8, 8192, 2880, 5760, "balanced", id="gptoss-up-e8"),  # the main 128x256 path, B as (E, N, K) view
+    pytest.param(32, 6144, 2880, 2880, "skewed", id="gptoss-down-e32-skewed"),  # empty and hot experts
+    pytest.param(128, 4096, 2048, 1536, "skewed", id="qwen-up-e128"),  # E+1 > 128 groups, short groups
+    pytest.param(32, 1024, 2880, 5760, "balanced", id="small-m"),  # 32 rows/expert: the small-M config
+    pytest.param(4, 1000, 136, 72, "random", id="odd-kn"),  # K, N not tile multiples
+]
+
+
+def _counts(e, rows, routing):
+    if routing == "random":
+        return random_counts(rows - 37, e)  # leaves 37 rows past offs[-1]
+    return routed_counts(rows // 4, e, 4, skew=3.0 if routing == "skewed" else 0.0).tolist()
+
+
+@pytest.mark.parametrize("e, rows, k, n, routing", SHAPES)
+def test_forward_dgrad_wgrad(tma_path, e, rows, k, n, routing):
+    counts = _counts(e, rows, routing)
+    a, b, offs = _ragged_m_inputs(counts, rows, k, n)
+    out = grouped_mm(a, b, offs)
+    assert_close(out, _ref(a, b, offs), BF16, what="fwd")
+    assert (out[int(offs[-1]) :] == 0).all()
+
+    dy = torch.randn(rows, n, device=DEV).to(BF16)
+    dx = grouped_mm(dy, b.mT, offs)
+    assert_close(dx, _ref(dy, b.mT, offs), BF16, what="dgrad")
+
+    x = torch.nan_to_num(a)
+    dw = grouped_mm(x.mT, dy, offs)
+    assert_close(dw, _ref(x.mT, dy, offs), BF16, what="wgrad")
+    for g, c in enumerate(counts):
+        if c == 0:
+            assert (dw[g] == 0).all()
+
+
+CONFIGS = [
+    config.TileConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3),
+    config.TileConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, flatten=True),
+    config.TileConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4),
+    config.TileConfig(64, 256, 64, group_m=8, num_warps=4, num_stages=4),
+    config.TileConfig(64, 128, 128, group_m=1, num_warps=4, num_stages=4),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}x{c.block_k}-f{int(c.flatten)}")
+def test_pinned_configs(tma_path, cfg):
+    counts = [700, 0, 1, 1300, 255, 0, 2048, 33]
+    a, b, offs = _ragged_m_inputs(counts, 4700, 1024, 768, b_trans=False)
+    assert_close(grouped_mm_fwd(a, b, offs, cfg=cfg), _ref(a, b, offs), BF16, what="ragged-m")
+    x, dy = torch.nan_to_num(a), torch.randn(4700, 768, device=DEV).to(BF16)
+    assert_close(grouped_mm_fwd(x.mT, dy, offs, cfg=cfg), _ref(x.mT, dy, offs), BF16, what="ragged-k")
+
+
+def test_fp32_out_and_3d3d():
+    a, b, offs = _ragged_m_inputs([100, 0, 300], 512, 256, 384)
+    out = grouped_mm(a, b, offs, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    assert_close(out, _ref(a, b, offs), torch.float32)
+    a3, b3 = torch.randn(4, 200, 256, device=DEV).to(BF16), torch.randn(4, 256, 72, device=DEV).to(BF16)
+    assert_close(grouped_mm(a3, b3), torch.bmm(a3.double(), b3.double()), BF16)
+
+
+@pytest.mark.parametrize("rows, counts", [(0, [0, 0]), (1, [0, 1]), (64, [0, 0])], ids=["m0", "t1", "all-tail"])
+def test_edge_sizes(rows, counts):
+    a, b, offs = _ragged_m_inputs(counts, rows, 64, 32)
+    out = grouped_mm(a, b, offs)
+    assert_close(out, _ref(a, b, offs), BF16)
+    dw = grouped_mm(torch.nan_to_num(a).mT, torch.randn(rows, 32, device=DEV).to(BF16), offs)
+    assert dw.shape == (2, 64, 32)
+
+
+def _train_step(a, b, offs, dy):
+    out = grouped_mm(a, b, offs)
+    out.backward(dy)
+    return out
+
+
+def _leaves(rows=2048, k=512, n=768, counts=(300, 0, 1000, 600)):
+    a, b, offs = _ragged_m_inputs(list(counts), rows, k, n)
+    a = torch.nan_to_num(a).requires_grad_()
+    b = b.detach().requires_grad_()
+    return a, b, offs, torch.randn(rows, n, device=DEV).to(BF16)
+
+
+def test_autograd_against_reference():
+    a, b, offs, dy = _leaves()
+    _train_step(a, b, offs, dy)
+    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    grouped_mm_ref(a64, b64, offs).backward(dy.double())
+    assert_close(a.grad, a64.grad, BF16, what="dA")
+    assert_close(b.grad, b64.grad, BF16, what="dB")
+    assert (b.grad[1] == 0).all()
+
+
+def test_no_host_sync():
+    a, b, offs, dy = _leaves()
+    _train_step(a, b, offs, dy)  # compile first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        a.grad = b.grad = None
+        _train_step(a, b, offs, dy)
+        grouped_mm(a.detach().mT, dy, offs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_cuda_graph_capture_and_replay():
+    a, b, offs, dy = _leaves()
+    static = [t.detach().clone() for t in (a, b)]
+    static_offs, static_dy = offs.clone(), dy.clone()
+
+    def step():
+        x, w = static[0].requires_grad_(), static[1].requires_grad_()
+        x.grad = w.grad = None
+        out = grouped_mm(x, w, static_offs)
+        out.backward(static_dy)
+        return out, x.grad, w.grad
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+
+    # new data, new routing: the graph must follow both through device memory alone
+    new_a = torch.randn_like(a)
+    new_offs = offs_from_counts([1000, 200, 0, 700], device=DEV)
+    static[0].data.copy_(new_a)
+    static_offs.copy_(new_offs)
+    graph.replay()
+    x = new_a.detach().requires_grad_()
+    w = b.detach().clone().requires_grad_()
+    out = grouped_mm(x, w, new_offs)
+    out.backward(dy)
+    torch.testing.assert_close(outs[0], out, rtol=0, atol=0)
+    torch.testing.assert_close(outs[1], x.grad, rtol=0, atol=0)
+    torch.testing.assert_close(outs[2], w.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("form", ["2d3d", "2d2d"])
+def test_opcheck(form):
+    a, b, offs = _ragged_m_inputs([40, 0, 88], 160, 64, 96)
+    a = torch.nan_to_num(a)
+    if form == "2d2d":
+        a, b = a.mT, torch.randn(160, 96, device=DEV).to(BF16)
+    torch.library.opcheck(_grouped_mm_op, (a.requires_grad_(), b.detach().requires_grad_(), offs, None))
+
+
+def test_compile_fullgraph():
+    a, b, offs, dy = _leaves()
+
+    @torch.compile(fullgraph=True)
+    def fn(x, w, o):
+        return torch.relu(grouped_mm(x, w, o)) * 2
+
+    out = fn(a, b, offs)
+    out.backward(dy)
+    ga, gb = a.grad.clone(), b.grad.clone()
+    a.grad = b.grad = None
+    ref = torch.relu(grouped_mm(a, b, offs)) * 2
+    ref.backward(dy)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    torch.testing.assert_close(ga, a.grad, rtol=0, atol=0)
+    torch.testing.assert_close(gb, b.grad, rtol=0, atol=0)
