@@ -18,14 +18,12 @@ CANDIDATES = {
     "128x256x64 w8 s3": TileConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3),
     "128x256x64 w8 s3 flat": TileConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, flatten=True),
     "128x256x64 w8 s3 g16": TileConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3),
-    "128x256x64 w8 s4": TileConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=4),
     "256x128x64 w8 s3": TileConfig(256, 128, 64, group_m=8, num_warps=8, num_stages=3),
     "128x128x64 w8 s4": TileConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4),
     "128x128x64 w4 s4": TileConfig(128, 128, 64, group_m=8, num_warps=4, num_stages=4),
     "64x256x64 w4 s4": TileConfig(64, 256, 64, group_m=8, num_warps=4, num_stages=4),
     "64x128x128 w4 s4": TileConfig(64, 128, 128, group_m=1, num_warps=4, num_stages=4),
     "64x256x128 w4 s3": TileConfig(64, 256, 128, group_m=1, num_warps=4, num_stages=3),
-    "64x64x128 w4 s6": TileConfig(64, 64, 128, group_m=1, num_warps=4, num_stages=6),
 }
 
 PROBLEMS = [

@@ -99,20 +99,24 @@ def num_sms(device: torch.device) -> int:
 _INTERPRETER_CONFIG = TileConfig(block_m=32, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
 
 
-def grouped_mm_config(m: int, n: int, k: int, num_groups: int, *, ragged_k: bool, device: torch.device) -> TileConfig:
+def grouped_mm_config(
+    m: int, n: int, k: int, num_groups: int, *, ragged_k: bool, tma: bool, device: torch.device
+) -> TileConfig:
     """Pick the tile configuration for a grouped GEMM.
 
     ``m`` x ``n`` is the output of one group's GEMM (for the ragged-M form, ``m`` is the average rows
-    per group), ``k`` the reduction length (for the ragged-K form, the average per group).
+    per group), ``k`` the reduction length (for the ragged-K form, the average per group). ``tma``
+    says which load path the launch takes: the pointer path keeps its tiles smaller, since a
+    128x256 tile there needs 255 registers and spills (benchmarks/compiler_report.py).
     """
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
+    if not tma:
+        return TileConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
     if not ragged_k and m <= 64:
         # Few rows per expert: the GEMM streams the weights once; wide K steps and deep pipelines keep
         # enough bytes in flight to approach copy bandwidth.
         return TileConfig(block_m=64, block_n=128, block_k=128, group_m=1, num_warps=4, num_stages=4)
-    if ragged_k and k <= 128:
-        return TileConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
     if not ragged_k and m <= 128:
         return TileConfig(block_m=64, block_n=256, block_k=64, group_m=8, num_warps=4, num_stages=4)
     return TileConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)

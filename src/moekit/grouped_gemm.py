@@ -124,7 +124,7 @@ def _tma_ok(t: torch.Tensor, unit_dim: int) -> bool:
 def _row_bounded(t: torch.Tensor, block: list[int]):
     """Descriptor over a 2-D row-major ``t`` whose row bound is set per access (see the kernels' doc)."""
     s = t.stride(0)
-    big = ROW_BOUND_BIG
+    big = ROW_BOUND_BIG.value
     return TensorDescriptor(t, [0x7FFF0000, 0x7FFF0000, big, t.shape[1]], [2**34 - s, s, s, 1], [1, 1, *block])
 
 
@@ -136,7 +136,6 @@ def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None):
         return out
     if k == 0:
         return out.zero_()
-    cfg = cfg or config.grouped_mm_config(m // e, n, k, e, ragged_k=False, device=a.device)
     a_trans, b_trans = a.stride(1) != 1, b.stride(2) != 1
     # A TMA box must start 16-byte aligned along the unit-stride axis; groups start at any row, so an
     # `a` with unit stride along M (a.mT views) takes the pointer path.
@@ -148,6 +147,7 @@ def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None):
         and _tma_ok(b, 1 if b_trans else 2)
         and _tma_ok(out, 1)
     )
+    cfg = cfg or config.grouped_mm_config(m // e, n, k, e, ragged_k=False, tma=tma, device=a.device)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     if tma:
         a_arg = TensorDescriptor(a, [m, k], [a.stride(0), 1], [bm, bk])
@@ -181,7 +181,6 @@ def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None):
         return out
     if kt == 0:
         return out.zero_()
-    cfg = cfg or config.grouped_mm_config(m, n, kt // e, e, ragged_k=True, device=a.device)
     # TMA bounds the ragged reduction dim only on a memory-row axis: a's unit stride must run along
     # M and b's along N (the layout autograd hands over: x.mT and dy). Otherwise the pointer path.
     tma = (
@@ -191,6 +190,7 @@ def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None):
         and _tma_ok(b, 1)
         and _tma_ok(out, 2)
     )
+    cfg = cfg or config.grouped_mm_config(m, n, kt // e, e, ragged_k=True, tma=tma, device=a.device)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     if tma:
         a_arg = _row_bounded(a.mT, [bk, bm])

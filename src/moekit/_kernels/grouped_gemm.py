@@ -23,7 +23,7 @@ formulation with a single upper bound.
 import triton
 import triton.language as tl
 
-ROW_BOUND_BIG = 1 << 30
+ROW_BOUND_BIG = tl.constexpr(1 << 30)  # the BIG of the row-bounded descriptors (module docstring)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -43,16 +43,14 @@ def _swizzle(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 @triton.jit
 def _bounded_load(desc, end, row, col, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Load a [BLOCK_R, BLOCK_C] box at (row, col) from a row-bounded descriptor; rows >= end read 0."""
-    big: tl.constexpr = ROW_BOUND_BIG
-    x = desc.load([big, end, big - end + row, col])
+    x = desc.load([ROW_BOUND_BIG, end, ROW_BOUND_BIG - end + row, col])
     return tl.reshape(x, [BLOCK_R, BLOCK_C])
 
 
 @triton.jit
 def _bounded_store(desc, end, row, col, x, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Store a [BLOCK_R, BLOCK_C] box at (row, col) into a row-bounded descriptor; rows >= end drop."""
-    big: tl.constexpr = ROW_BOUND_BIG
-    desc.store([big, end, big - end + row, col], tl.reshape(x, [1, 1, BLOCK_R, BLOCK_C]))
+    desc.store([ROW_BOUND_BIG, end, ROW_BOUND_BIG - end + row, col], tl.reshape(x, [1, 1, BLOCK_R, BLOCK_C]))
 
 
 @triton.jit
