@@ -23,6 +23,7 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 
 CONFIGS = {
     "128x256x64 w8 s3": TileConfig(128, 256, 64, num_warps=8, num_stages=3),
+    "128x256x64 w8 s4 split": TileConfig(128, 256, 64, num_warps=8, num_stages=4, split_store=True),
     "64x256x64 w4 s4": TileConfig(64, 256, 64, num_warps=4, num_stages=4),
     "64x128x128 w4 s4": TileConfig(64, 128, 128, group_m=1, num_warps=4, num_stages=4),
     "128x128x64 w8 s3": TileConfig(128, 128, 64, num_warps=8, num_stages=3),
@@ -31,17 +32,18 @@ CONFIGS = {
 
 def _signature(kernel, cfg: TileConfig, tma: bool, b_trans: bool):
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    cn = bn // 2 if cfg.split_store else bn
     ragged_k = kernel is _grouped_mm_ragged_k_kernel
     if not tma:
         descs = {"a": "*bf16", "b": "*bf16", "c": "*bf16"}
     elif ragged_k:
         descs = {"a": f"tensordesc<bf16[1,1,{bk},{bm}]>", "b": f"tensordesc<bf16[1,1,{bk},{bn}]>",
-                 "c": f"tensordesc<bf16[1,{bm},{bn}]>"}
+                 "c": f"tensordesc<bf16[1,{bm},{cn}]>"}
     else:
         b_block = f"1,{bn},{bk}" if b_trans else f"1,{bk},{bn}"
         descs = {"a": f"tensordesc<bf16[{bm},{bk}]>", "b": f"tensordesc<bf16[{b_block}]>",
-                 "c": f"tensordesc<bf16[1,1,{bm},{bn}]>"}
-    const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, NUM_SMS=132, USE_TMA=tma,
+                 "c": f"tensordesc<bf16[1,1,{bm},{cn}]>"}
+    const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, USE_TMA=tma, SPLIT_STORE=cfg.split_store,
                  DOT_F32=False, FLATTEN=cfg.flatten)
     if not ragged_k:
         const.update(BLOCK_E=64, B_TRANS=b_trans)

@@ -14,16 +14,18 @@ from moekit.bench.grouped_mm import OPS, _problem
 from moekit.config import TileConfig
 from moekit.grouped_gemm import grouped_mm_fwd
 
+T = TileConfig
 CANDIDATES = {
-    "128x256x64 w8 s3": TileConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3),
-    "128x256x64 w8 s3 flat": TileConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, flatten=True),
-    "128x256x64 w8 s3 g16": TileConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3),
-    "256x128x64 w8 s3": TileConfig(256, 128, 64, group_m=8, num_warps=8, num_stages=3),
-    "128x128x64 w8 s4": TileConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4),
-    "128x128x64 w4 s4": TileConfig(128, 128, 64, group_m=8, num_warps=4, num_stages=4),
-    "64x256x64 w4 s4": TileConfig(64, 256, 64, group_m=8, num_warps=4, num_stages=4),
-    "64x128x128 w4 s4": TileConfig(64, 128, 128, group_m=1, num_warps=4, num_stages=4),
-    "64x256x128 w4 s3": TileConfig(64, 256, 128, group_m=1, num_warps=4, num_stages=3),
+    "128x256 s3 g8": T(128, 256, 64, group_m=8, num_warps=8, num_stages=3),
+    "128x256 s3 g16 flat": T(128, 256, 64, group_m=16, num_warps=8, num_stages=3, flatten=True),
+    "128x256 s4 split g8": T(128, 256, 64, group_m=8, num_warps=8, num_stages=4, split_store=True),
+    "128x256 s4 split g16": T(128, 256, 64, group_m=16, num_warps=8, num_stages=4, split_store=True),
+    "128x256 s4 split g16 flat": T(128, 256, 64, group_m=16, num_warps=8, num_stages=4, flatten=True, split_store=True),
+    "128x256 s4 split g32 flat": T(128, 256, 64, group_m=32, num_warps=8, num_stages=4, flatten=True, split_store=True),
+    "256x128 s4 split g16 flat": T(256, 128, 64, group_m=16, num_warps=8, num_stages=4, flatten=True, split_store=True),
+    "64x128x128 s4 g1": T(64, 128, 128, group_m=1, num_warps=4, num_stages=4),
+    "128x128 s2 split pps2": T(128, 128, 64, group_m=8, num_warps=4, num_stages=2, split_store=True, programs_per_sm=2),
+    "128x128 s2 pps2 flat": T(128, 128, 64, group_m=8, num_warps=4, num_stages=2, flatten=True, programs_per_sm=2),
 }
 
 PROBLEMS = [

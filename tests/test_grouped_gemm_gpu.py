@@ -68,10 +68,12 @@ CONFIGS = [
     config.TileConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4),
     config.TileConfig(64, 256, 64, group_m=8, num_warps=4, num_stages=4),
     config.TileConfig(64, 128, 128, group_m=1, num_warps=4, num_stages=4),
+    config.TileConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=4, flatten=True, split_store=True),
+    config.TileConfig(128, 128, 64, group_m=8, num_warps=4, num_stages=2, split_store=True, programs_per_sm=2),
 ]
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}x{c.block_k}-f{int(c.flatten)}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}x{c.block_k}-s{c.num_stages}-f{int(c.flatten)}-split{int(c.split_store)}-p{c.programs_per_sm}")
 def test_pinned_configs(tma_path, cfg):
     counts = [700, 0, 1, 1300, 255, 0, 2048, 33]
     a, b, offs = _ragged_m_inputs(counts, 4700, 1024, 768, b_trans=False)

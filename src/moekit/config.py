@@ -6,6 +6,7 @@ cover a code path on purpose. Figures behind the choices live in bench/results/.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -19,7 +20,9 @@ class TileConfig:
 
     ``block_m`` x ``block_n`` is the output tile, ``block_k`` the reduction step; ``group_m`` row
     tiles are walked together for L2 reuse; ``flatten`` lets Triton fuse the persistent tile loop
-    with the K loop so the next tile's loads overlap this tile's epilogue.
+    with the K loop so the next tile's loads overlap this tile's epilogue; ``split_store`` writes
+    the tile as two halves (half the epilogue's shared memory); ``programs_per_sm`` persistent
+    programs share each SM (above 1 only when their shared memory fits together).
     """
 
     block_m: int
@@ -29,6 +32,8 @@ class TileConfig:
     num_warps: int = 8
     num_stages: int = 3
     flatten: bool = False
+    split_store: bool = False
+    programs_per_sm: int = 1
 
 
 _debug = os.environ.get("MOEKIT_DEBUG", "0") not in ("", "0")
@@ -99,24 +104,43 @@ def num_sms(device: torch.device) -> int:
 _INTERPRETER_CONFIG = TileConfig(block_m=32, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
 
 
+_SMEM_BYTES = 227 * 1024  # Hopper's per-block shared memory limit (sm_80: 163 KB; such launches drop stages)
+
+
+def _fit_stages(cfg: TileConfig, out_bytes: int, smem_bytes: int = _SMEM_BYTES) -> TileConfig:
+    """Lower ``num_stages`` until the operand ring plus the epilogue's store buffer fit in shared memory."""
+    stage = (cfg.block_m + cfg.block_n) * cfg.block_k * 2
+    store = cfg.block_m * cfg.block_n * out_bytes // (2 if cfg.split_store else 1)
+    stages = cfg.num_stages
+    while stages > 2 and stages * stage + store > smem_bytes - 8 * 1024:  # ~8 KB: barriers, scratch
+        stages -= 1
+    return dataclasses.replace(cfg, num_stages=stages)
+
+
 def grouped_mm_config(
-    m: int, n: int, k: int, num_groups: int, *, ragged_k: bool, tma: bool, device: torch.device
+    m: int, n: int, k: int, num_groups: int, *, ragged_k: bool, tma: bool, out_bytes: int, device: torch.device
 ) -> TileConfig:
     """Pick the tile configuration for a grouped GEMM.
 
     ``m`` x ``n`` is the output of one group's GEMM (for the ragged-M form, ``m`` is the average rows
-    per group), ``k`` the reduction length (for the ragged-K form, the average per group). ``tma``
-    says which load path the launch takes: the pointer path keeps its tiles smaller, since a
-    128x256 tile there needs 255 registers and spills (benchmarks/compiler_report.py).
+    per group), ``k`` the reduction length (for the ragged-K form, the average per group),
+    ``out_bytes`` the output element size. ``tma`` says which load path the launch takes: the pointer
+    path keeps its tiles smaller, since a 128x256 tile there needs 255 registers and spills
+    (benchmarks/compiler_report.py). Choices come from benchmarks/sweep_grouped_mm.py on an H100.
     """
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
     if not tma:
-        return TileConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
-    if not ragged_k and m <= 64:
+        cfg = TileConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+    elif not ragged_k and m <= 64:
         # Few rows per expert: the GEMM streams the weights once; wide K steps and deep pipelines keep
         # enough bytes in flight to approach copy bandwidth.
-        return TileConfig(block_m=64, block_n=128, block_k=128, group_m=1, num_warps=4, num_stages=4)
-    if not ragged_k and m <= 128:
-        return TileConfig(block_m=64, block_n=256, block_k=64, group_m=8, num_warps=4, num_stages=4)
-    return TileConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
+        cfg = TileConfig(block_m=64, block_n=128, block_k=128, group_m=1, num_warps=4, num_stages=4)
+    elif ragged_k and k <= 128:
+        # A K loop of one or two steps: the tile store dominates; flatten overlaps it with the next loads.
+        cfg = TileConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3,
+                         flatten=True, split_store=True)
+    else:
+        cfg = TileConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=4,
+                         flatten=True, split_store=True)
+    return _fit_stages(cfg, out_bytes)

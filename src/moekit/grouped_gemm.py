@@ -147,27 +147,29 @@ def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None):
         and _tma_ok(b, 1 if b_trans else 2)
         and _tma_ok(out, 1)
     )
-    cfg = cfg or config.grouped_mm_config(m // e, n, k, e, ragged_k=False, tma=tma, device=a.device)
+    cfg = cfg or config.grouped_mm_config(
+        m // e, n, k, e, ragged_k=False, tma=tma, out_bytes=out.element_size(), device=a.device
+    )
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     if tma:
         a_arg = TensorDescriptor(a, [m, k], [a.stride(0), 1], [bm, bk])
         b_arg = (TensorDescriptor(b, [e, n, k], [b.stride(0), b.stride(2), 1], [1, bn, bk]) if b_trans
                  else TensorDescriptor(b, [e, k, n], [b.stride(0), b.stride(1), 1], [1, bk, bn]))
-        c_arg = _row_bounded(out, [bm, bn])
+        c_arg = _row_bounded(out, [bm, bn // 2 if cfg.split_store else bn])
     else:
         a_arg, b_arg, c_arg = a, b, out
-    sms = config.num_sms(a.device)
-    max_tiles = (triton.cdiv(m, bm) + e + 1) * triton.cdiv(n, bn)
-    _grouped_mm_ragged_m_kernel[(min(sms, max_tiles),)](
+    max_tiles = (triton.cdiv(m, bm) + e + 1) * triton.cdiv(n, bn)  # each group adds <= 1 partial row tile
+    programs = min(config.num_sms(a.device) * cfg.programs_per_sm, max_tiles)
+    _grouped_mm_ragged_m_kernel[(programs,)](
         a_arg, b_arg, c_arg, offs,
         m, n, k, e,
         a.stride(0), a.stride(1),
         b.stride(0), b.stride(1), b.stride(2),
         out.stride(0), out.stride(1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(e + 1), NUM_SMS=sms,
+        GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(e + 1),
         B_TRANS=b_trans,
-        USE_TMA=tma, DOT_F32=config.is_interpreting(), FLATTEN=cfg.flatten,
+        USE_TMA=tma, DOT_F32=config.is_interpreting(), FLATTEN=cfg.flatten, SPLIT_STORE=cfg.split_store,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -190,24 +192,26 @@ def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None):
         and _tma_ok(b, 1)
         and _tma_ok(out, 2)
     )
-    cfg = cfg or config.grouped_mm_config(m, n, kt // e, e, ragged_k=True, tma=tma, device=a.device)
+    cfg = cfg or config.grouped_mm_config(
+        m, n, kt // e, e, ragged_k=True, tma=tma, out_bytes=out.element_size(), device=a.device
+    )
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     if tma:
         a_arg = _row_bounded(a.mT, [bk, bm])
         b_arg = _row_bounded(b, [bk, bn])
-        c_arg = TensorDescriptor(out, [e, m, n], [out.stride(0), out.stride(1), 1], [1, bm, bn])
+        c_arg = TensorDescriptor(out, [e, m, n], [out.stride(0), out.stride(1), 1],
+                                 [1, bm, bn // 2 if cfg.split_store else bn])
     else:
         a_arg, b_arg, c_arg = a, b, out
-    sms = config.num_sms(a.device)
-    max_tiles = e * triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    _grouped_mm_ragged_k_kernel[(min(sms, max_tiles),)](
+    programs = min(config.num_sms(a.device) * cfg.programs_per_sm, e * triton.cdiv(m, bm) * triton.cdiv(n, bn))
+    _grouped_mm_ragged_k_kernel[(programs,)](
         a_arg, b_arg, c_arg, offs,
         m, n, kt, e,
         a.stride(0), a.stride(1),
         b.stride(0), b.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, NUM_SMS=sms,
-        USE_TMA=tma, DOT_F32=config.is_interpreting(), FLATTEN=cfg.flatten,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
+        USE_TMA=tma, DOT_F32=config.is_interpreting(), FLATTEN=cfg.flatten, SPLIT_STORE=cfg.split_store,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

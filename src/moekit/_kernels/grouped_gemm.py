@@ -54,6 +54,12 @@ def _bounded_store(desc, end, row, col, x, BLOCK_R: tl.constexpr, BLOCK_C: tl.co
 
 
 @triton.jit
+def _halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Split a [BLOCK_M, BLOCK_N] tile into its left and right [BLOCK_M, BLOCK_N // 2] halves."""
+    return tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), [0, 2, 1]))
+
+
+@triton.jit
 def _load_2d(src, base, row, col, row_end, col_end, stride_r, stride_c,
              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Pointer path: the [BLOCK_R, BLOCK_C] tile at (row, col) of ``src + base``; out of range reads 0."""
@@ -86,9 +92,9 @@ def _grouped_mm_ragged_m_kernel(
     stride_be, stride_bk, stride_bn,
     stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, NUM_SMS: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
     B_TRANS: tl.constexpr,
-    USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, FLATTEN: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, FLATTEN: tl.constexpr, SPLIT_STORE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -105,7 +111,7 @@ def _grouped_mm_ragged_m_kernel(
     tiles_end = tl.cumsum(tiles, 0)
     total = tl.sum(tiles, 0)
 
-    for tile in tl.range(pid, total, NUM_SMS, flatten=FLATTEN):
+    for tile in tl.range(pid, total, tl.num_programs(0), flatten=FLATTEN):
         g = tl.sum((tiles_end <= tile).to(tl.int32), 0)
         hit = e == g
         first = tl.sum(tl.where(hit, tiles_end - tiles, 0), 0)
@@ -132,7 +138,12 @@ def _grouped_mm_ragged_m_kernel(
             acc = _dot(a_tile, b_tile, acc, DOT_F32)
 
         if USE_TMA:
-            _bounded_store(c, end, row, col, acc.to(c.dtype), BLOCK_M, BLOCK_N)
+            if SPLIT_STORE:  # half the epilogue's shared memory, which buys a pipeline stage
+                left, right = _halves(acc, BLOCK_M, BLOCK_N)
+                _bounded_store(c, end, row, col, left.to(c.dtype), BLOCK_M, BLOCK_N // 2)
+                _bounded_store(c, end, row, col + BLOCK_N // 2, right.to(c.dtype), BLOCK_M, BLOCK_N // 2)
+            else:
+                _bounded_store(c, end, row, col, acc.to(c.dtype), BLOCK_M, BLOCK_N)
         else:
             out = acc.to(c.dtype.element_ty)
             rows = row + tl.arange(0, BLOCK_M)
@@ -152,8 +163,8 @@ def _grouped_mm_ragged_k_kernel(
     stride_bk, stride_bn,
     stride_ce, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
-    USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, FLATTEN: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, FLATTEN: tl.constexpr, SPLIT_STORE: tl.constexpr,
 ):
     # On the TMA path the launcher hands over a with its unit stride along M and b with its unit
     # stride along N, so the ragged reduction dim is the memory-row axis of both descriptors and can
@@ -164,7 +175,7 @@ def _grouped_mm_ragged_k_kernel(
     per_group = tiles_m * tiles_n
     total = E * per_group
 
-    for tile in tl.range(pid, total, NUM_SMS, flatten=FLATTEN):
+    for tile in tl.range(pid, total, tl.num_programs(0), flatten=FLATTEN):
         g = tile // per_group
         pid_m, pid_n = _swizzle(tile % per_group, tiles_m, tiles_n, GROUP_M)
         row = pid_m * BLOCK_M
@@ -184,8 +195,12 @@ def _grouped_mm_ragged_k_kernel(
             acc = _dot(a_tile, b_tile, acc, DOT_F32)
 
         if USE_TMA:
-            out = acc.to(c.dtype)
-            c.store([g, row, col], tl.reshape(out, [1, BLOCK_M, BLOCK_N]))
+            if SPLIT_STORE:
+                left, right = _halves(acc, BLOCK_M, BLOCK_N)
+                c.store([g, row, col], tl.reshape(left.to(c.dtype), [1, BLOCK_M, BLOCK_N // 2]))
+                c.store([g, row, col + BLOCK_N // 2], tl.reshape(right.to(c.dtype), [1, BLOCK_M, BLOCK_N // 2]))
+            else:
+                c.store([g, row, col], tl.reshape(acc.to(c.dtype), [1, BLOCK_M, BLOCK_N]))
         else:
             out = acc.to(c.dtype.element_ty)
             rows = row + tl.arange(0, BLOCK_M)
