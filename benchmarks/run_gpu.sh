@@ -13,7 +13,7 @@ for step in $steps; do
   echo "=== $step ==="
   case $step in
     tests) python3 -m pytest -m gpu -q -x tests 2>&1 | tee "$OUT/pytest.log" | tail -30 ;;
-    sweep) python3 benchmarks/sweep_grouped_mm.py 2>&1 | tee "$OUT/sweep.md" ;;
+    sweep) python3 benchmarks/sweep_grouped_mm.py ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.md" ;;
     bench) python3 -m moekit bench --out "$OUT" 2>&1 | grep -v "it/s\]" | tee "$OUT/bench.log" ;;
   esac
 done

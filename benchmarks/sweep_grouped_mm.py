@@ -20,16 +20,17 @@ CANDIDATES = {
     "128x256 s3 g16 flat": T(128, 256, 64, group_m=16, num_warps=8, num_stages=3, flatten=True),
     "128x256 s4 split g8": T(128, 256, 64, group_m=8, num_warps=8, num_stages=4, split_store=True),
     "128x256 s4 split g16": T(128, 256, 64, group_m=16, num_warps=8, num_stages=4, split_store=True),
-    "128x256 s4 split g16 flat": T(128, 256, 64, group_m=16, num_warps=8, num_stages=4, flatten=True, split_store=True),
-    "128x256 s4 split g32 flat": T(128, 256, 64, group_m=32, num_warps=8, num_stages=4, flatten=True, split_store=True),
-    "256x128 s4 split g16 flat": T(256, 128, 64, group_m=16, num_warps=8, num_stages=4, flatten=True, split_store=True),
-    "64x128x128 s4 g1": T(64, 128, 128, group_m=1, num_warps=4, num_stages=4),
+    "128x256 s4 split g32": T(128, 256, 64, group_m=32, num_warps=8, num_stages=4, split_store=True),
+    "128x256 s3 split g16 flat": T(128, 256, 64, group_m=16, num_warps=8, num_stages=3, flatten=True, split_store=True),
+    "128x128 s3 split pps2": T(128, 128, 64, group_m=8, num_warps=4, num_stages=3, split_store=True,
+                               programs_per_sm=2),
     "128x128 s2 split pps2": T(128, 128, 64, group_m=8, num_warps=4, num_stages=2, split_store=True, programs_per_sm=2),
-    "128x128 s2 pps2 flat": T(128, 128, 64, group_m=8, num_warps=4, num_stages=2, flatten=True, programs_per_sm=2),
+    "64x128x128 s4 g1": T(64, 128, 128, group_m=1, num_warps=4, num_stages=4),
 }
 
 PROBLEMS = [
     ("gpt-oss-20b", "up", "balanced"),
+    ("gpt-oss-120b", "up", "skewed"),
     ("gpt-oss-120b", "down", "skewed"),
     ("qwen3-30b-a3b", "up", "balanced"),
     ("mixtral-8x7b", "down", "balanced"),
@@ -40,6 +41,7 @@ PROBLEMS = [
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--configs", nargs="*", default=list(CANDIDATES))
+    parser.add_argument("--ops", nargs="*", default=list(OPS))
     args = parser.parse_args(argv)
     print(environment(), "\n")
     print("| problem | op | torch | " + " | ".join(args.configs) + " |")
@@ -47,7 +49,7 @@ def main(argv=None):
     for name, proj, routing in PROBLEMS:
         x, dy, w, offs = _problem(SHAPES[name], proj, routing, "cuda")
         operands = {"fwd": (x, w.mT), "dgrad": (dy, w), "wgrad": (x.mT, dy)}
-        for op in OPS:
+        for op in args.ops:
             a, b = operands[op]
             cells = [f"{bench_ms(lambda a=a, b=b, o=offs: torch._grouped_mm(a, b, o), rep_ms=50):.3f}"]
             for label in args.configs:

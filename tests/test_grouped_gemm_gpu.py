@@ -73,7 +73,12 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}x{c.block_k}-s{c.num_stages}-f{int(c.flatten)}-split{int(c.split_store)}-p{c.programs_per_sm}")
+def _cfg_id(c):
+    flags = f"f{int(c.flatten)}h{int(c.split_store)}p{c.programs_per_sm}"
+    return f"{c.block_m}x{c.block_n}x{c.block_k}-s{c.num_stages}-{flags}"
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_cfg_id)
 def test_pinned_configs(tma_path, cfg):
     counts = [700, 0, 1, 1300, 255, 0, 2048, 33]
     a, b, offs = _ragged_m_inputs(counts, 4700, 1024, 768, b_trans=False)

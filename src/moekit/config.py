@@ -132,15 +132,22 @@ def grouped_mm_config(
         return _INTERPRETER_CONFIG
     if not tma:
         cfg = TileConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
-    elif not ragged_k and m <= 64:
-        # Few rows per expert: the GEMM streams the weights once; wide K steps and deep pipelines keep
-        # enough bytes in flight to approach copy bandwidth.
-        cfg = TileConfig(block_m=64, block_n=128, block_k=128, group_m=1, num_warps=4, num_stages=4)
-    elif ragged_k and k <= 128:
-        # A K loop of one or two steps: the tile store dominates; flatten overlaps it with the next loads.
-        cfg = TileConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3,
-                         flatten=True, split_store=True)
+    elif not ragged_k:
+        if m <= 64:
+            # Few rows per expert: the GEMM streams the weights once; wide K steps and deep pipelines
+            # keep enough bytes in flight to approach copy bandwidth.
+            cfg = TileConfig(block_m=64, block_n=128, block_k=128, group_m=1, num_warps=4, num_stages=4)
+        else:
+            cfg = TileConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3,
+                             flatten=True)
+    elif k <= 128:
+        # A K loop of one or two steps: storing the (E, M, N) output dominates. Two programs per SM,
+        # each small enough to share it, overlap one's store with the other's loads.
+        cfg = TileConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=2,
+                         split_store=True, programs_per_sm=2)
+    elif k <= 1024:
+        cfg = TileConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
     else:
         cfg = TileConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=4,
-                         flatten=True, split_store=True)
+                         split_store=True)
     return _fit_stages(cfg, out_bytes)
