@@ -21,6 +21,7 @@ CANDIDATES = {
     "128x256 s4 split g8": T(128, 256, 64, group_m=8, num_warps=8, num_stages=4, split_store=True),
     "128x256 s4 split g16": T(128, 256, 64, group_m=16, num_warps=8, num_stages=4, split_store=True),
     "128x256 s4 split g32": T(128, 256, 64, group_m=32, num_warps=8, num_stages=4, split_store=True),
+    "128x256 s4 split g16 flat": T(128, 256, 64, group_m=16, num_warps=8, num_stages=4, flatten=True, split_store=True),
     "128x256 s3 split g16 flat": T(128, 256, 64, group_m=16, num_warps=8, num_stages=3, flatten=True, split_store=True),
     "128x128 s3 split pps2": T(128, 128, 64, group_m=8, num_warps=4, num_stages=3, split_store=True,
                                programs_per_sm=2),
@@ -34,6 +35,7 @@ PROBLEMS = [
     ("gpt-oss-120b", "down", "skewed"),
     ("qwen3-30b-a3b", "up", "balanced"),
     ("mixtral-8x7b", "down", "balanced"),
+    ("mixtral-8x7b", "up", "skewed"),
     ("small-M", "up", "balanced"),
 ]
 
@@ -41,12 +43,14 @@ PROBLEMS = [
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--configs", nargs="*", default=list(CANDIDATES))
+    parser.add_argument("--problems", nargs="*", type=int, help="indices into PROBLEMS (default: all)")
     parser.add_argument("--ops", nargs="*", default=list(OPS))
     args = parser.parse_args(argv)
     print(environment(), "\n")
     print("| problem | op | torch | " + " | ".join(args.configs) + " |")
     print("|---|---|---|" + "---|" * len(args.configs))
-    for name, proj, routing in PROBLEMS:
+    problems = [PROBLEMS[i] for i in args.problems] if args.problems else PROBLEMS
+    for name, proj, routing in problems:
         x, dy, w, offs = _problem(SHAPES[name], proj, routing, "cuda")
         operands = {"fwd": (x, w.mT), "dgrad": (dy, w), "wgrad": (x.mT, dy)}
         for op in args.ops:
