@@ -71,7 +71,23 @@ def _calls(x, dy, w, offs, device):
     return calls
 
 
-def run(shape_names, *, routings=("balanced", "skewed"), projs=("up", "down"), progress=None) -> list[Row]:
+def _interleaved(fns: dict, rounds: int) -> dict:
+    """Median ms per impl over ``rounds`` rounds, the impl order rotating each round, so clock drift
+    and neighbours on a shared GPU weigh on every impl alike. A failing impl reports nan."""
+    names = list(fns)
+    samples = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names) :] + names[: r % len(names)]:
+            try:
+                samples[n].append(bench_ms(fns[n], rep_ms=40))
+            except Exception:  # a baseline that cannot run this layout is reported, not fatal
+                samples[n].append(float("nan"))
+    return {n: sorted(v)[len(v) // 2] for n, v in samples.items()}
+
+
+def run(
+    shape_names, *, routings=("balanced", "skewed"), projs=("up", "down"), rounds: int = 3, progress=None
+) -> list[Row]:
     """Time every (shape, projection, routing, op); ``progress`` wraps the problem iterator."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = [n if isinstance(n, MoEShape) else {**SHAPES, **CPU_SHAPES}[n] for n in shape_names]
@@ -82,12 +98,7 @@ def run(shape_names, *, routings=("balanced", "skewed"), projs=("up", "down"), p
         calls = _calls(x, dy, w, offs, device)
         (r, k), n = x.shape, dy.shape[1]
         for op in OPS:
-            ms = {}
-            for impl, fns in calls.items():
-                try:
-                    ms[impl] = bench_ms(fns[op])
-                except Exception:  # a baseline that cannot run this layout is reported, not fatal
-                    ms[impl] = float("nan")
+            ms = _interleaved({impl: fns[op] for impl, fns in calls.items()}, rounds)
             try:
                 err = rel_errors(calls["moekit"][op](), calls["torch"][op]())[1]
             except Exception:
