@@ -117,6 +117,7 @@ def _fit_stages(cfg: TileConfig, out_bytes: int, smem_bytes: int = _SMEM_BYTES) 
     return dataclasses.replace(cfg, num_stages=stages)
 
 
+@functools.lru_cache(maxsize=1024)
 def grouped_mm_config(
     m: int, n: int, k: int, num_groups: int, *, ragged_k: bool, tma: bool, out_bytes: int, device: torch.device
 ) -> TileConfig:

@@ -2,7 +2,7 @@
 
 Reads as: reference (``reference.grouped_mm_ref``) -> kernels (``_kernels/grouped_gemm.py``) ->
 launcher (``grouped_mm_fwd``) -> custom op ``moekit::grouped_mm`` with a fake and an autograd formula
-(``grouped_mm_bwd``, itself written with the op) -> public ``grouped_mm``.
+(``grouped_mm_bwd``) -> ``GroupedMMFn``, the lean eager autograd path -> public ``grouped_mm``.
 
 Legend: E groups (experts), M rows, N output columns, K reduction length, Kt the ragged reduction
 length of the 2D x 2D form.
@@ -256,34 +256,59 @@ def _(a, b, offs, out_dtype):
     return a.new_empty((offs.shape[0], a.shape[0], b.shape[1]), dtype=dtype)
 
 
+def grouped_mm_bwd(grad, a, b, offs, needs_a: bool, needs_b: bool, mm):
+    """Gradients of ``grouped_mm`` through the same two kernels; ``mm(a, b, offs)`` runs one GEMM.
+
+    2D x 3D: dgrad is ragged-M (``grad @ b[g]^T``), wgrad ragged-K (``a^T @ grad`` per group).
+    2D x 2D: the mirror images. An empty group's gradient is exactly zero.
+    """
+    grad = _matrix_ready(grad.to(a.dtype))
+    if b.dim() == 3:
+        grad_a = mm(grad, b.mT, offs) if needs_a else None
+        grad_b = mm(a.mT, grad, offs) if needs_b else None
+    else:
+        grad_a = mm(b, grad.mT, offs).mT if needs_a else None
+        grad_b = mm(a.mT, grad, offs) if needs_b else None
+    return grad_a, grad_b
+
+
+def _op_mm(a, b, offs):
+    return _grouped_mm_op(a, b, offs, None)
+
+
 def _setup_context(ctx, inputs, output):
     a, b, offs, _ = inputs
     ctx.save_for_backward(a, b, offs)
 
 
 def _backward(ctx, grad):
+    # Under torch.compile the backward is traced too, so it runs through the op itself.
     a, b, offs = ctx.saved_tensors
-    grad_a, grad_b = grouped_mm_bwd(grad, a, b, offs, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+    grad_a, grad_b = grouped_mm_bwd(grad, a, b, offs, *ctx.needs_input_grad[:2], mm=_op_mm)
     return grad_a, grad_b, None, None
 
 
-def grouped_mm_bwd(grad, a, b, offs, needs_a: bool, needs_b: bool):
-    """Gradients of ``grouped_mm`` (2D x 3D: dgrad ragged-M, wgrad ragged-K; 2D x 2D: the mirror).
-
-    Runs through the op itself, so compile, opcheck and graph capture see only moekit::grouped_mm,
-    and both gradients reuse the two kernels. An empty group's gradient is exactly zero.
-    """
-    grad = grad.to(a.dtype)
-    if b.dim() == 3:
-        grad_a = _grouped_mm_op(_matrix_ready(grad), b.mT, offs, None) if needs_a else None
-        grad_b = _grouped_mm_op(a.mT, _matrix_ready(grad), offs, None) if needs_b else None
-    else:
-        grad_a = _grouped_mm_op(b, _matrix_ready(grad).mT, offs, None).mT if needs_a else None
-        grad_b = _grouped_mm_op(a.mT, _matrix_ready(grad), offs, None) if needs_b else None
-    return grad_a, grad_b
-
-
 _grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class GroupedMMFn(torch.autograd.Function):
+    """Eager autograd path: calls the launchers directly.
+
+    ``torch.library.custom_op`` dispatch costs ~150 us of host time per call (measured with
+    benchmarks/launch_overhead.py on an H100 host), as much as a decode-sized GEMM takes on the GPU;
+    eager calls skip it. Under torch.compile, ``grouped_mm`` uses the custom op instead.
+    """
+
+    @staticmethod
+    def forward(ctx, a, b, offs, out_dtype):
+        ctx.save_for_backward(a, b, offs)
+        return grouped_mm_fwd(a, b, offs, out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b, offs = ctx.saved_tensors
+        grad_a, grad_b = grouped_mm_bwd(grad, a, b, offs, *ctx.needs_input_grad[:2], mm=grouped_mm_fwd)
+        return grad_a, grad_b, None, None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -329,4 +354,6 @@ def grouped_mm(
         check_offs(offs, a.shape[0] if form == "2d3d" else a.shape[1])
     if not config.uses_triton(a.device):
         return grouped_mm_ref(a, b, offs, out_dtype=out_dtype)
-    return _grouped_mm_op(a, b, offs, out_dtype)
+    if torch.compiler.is_compiling():
+        return _grouped_mm_op(a, b, offs, out_dtype)
+    return GroupedMMFn.apply(a, b, offs, out_dtype)
