@@ -160,7 +160,7 @@ def plot(rows: list[Row], path: str) -> None:
         for i, impl in enumerate(("moekit", "torch", "dense")):
             xs = [j + (i - 1) * width for j in range(len(sel))]
             ax.bar(xs, [r.tflops(impl) for r in sel], width, label=impl if impl != "torch" else "torch._grouped_mm")
-        ax.set_xticks(range(len(sel)), labels, fontsize=7)
+        ax.set_xticks(range(len(sel)), labels, fontsize=7, rotation=35, ha="right")
         ax.set_ylabel("TF/s")
         ax.set_title(f"grouped GEMM {op}")
         ax.legend(fontsize=8)
