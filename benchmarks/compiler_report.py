@@ -46,7 +46,7 @@ def _signature(kernel, cfg: TileConfig, tma: bool, b_trans: bool):
     const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, USE_TMA=tma, SPLIT_STORE=cfg.split_store,
                  DOT_F32=False, FLATTEN=cfg.flatten)
     if not ragged_k:
-        const.update(BLOCK_E=64, B_TRANS=b_trans)
+        const.update(BLOCK_E=64, B_TRANS=b_trans, bias=None)
     sig = {}
     for name in kernel.arg_names:
         sig[name] = descs.get(name) or ("*i32" if name == "offs_ptr" else "constexpr" if name in const else "i32")

@@ -130,13 +130,13 @@ def _row_bounded(t: torch.Tensor, block: list[int]):
     return TensorDescriptor(t, [0x7FFF0000, 0x7FFF0000, big, t.shape[1]], [2**34 - s, s, s, 1], [1, 1, *block])
 
 
-def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None):
-    """2D x 3D: a (M, K), b (E, K, N) -> (M, N); rows at or past offs[-1] are zero."""
+def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None, bias=None):
+    """2D x 3D: a (M, K), b (E, K, N), optional bias (E, N) -> (M, N); rows past offs[-1] are zero."""
     (m, k), (e, _, n) = a.shape, b.shape
     out = config.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
-    if k == 0:
+    if k == 0 and bias is None:
         return out.zero_()
     a_trans, b_trans = a.stride(1) != 1, b.stride(2) != 1
     # A TMA box must start 16-byte aligned along the unit-stride axis; groups start at any row, so an
@@ -145,6 +145,7 @@ def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None):
         TensorDescriptor is not None
         and config.use_tma(a.device)
         and not a_trans
+        and k > 0
         and _tma_ok(a, 1)
         and _tma_ok(b, 1 if b_trans else 2)
         and _tma_ok(out, 1)
@@ -163,11 +164,11 @@ def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None):
     max_tiles = (triton.cdiv(m, bm) + e + 1) * triton.cdiv(n, bn)  # each group adds <= 1 partial row tile
     programs = min(config.num_sms(a.device) * cfg.programs_per_sm, max_tiles)
     _grouped_mm_ragged_m_kernel[(programs,)](
-        a_arg, b_arg, c_arg, offs,
+        a_arg, b_arg, c_arg, offs, bias,
         m, n, k, e,
         a.stride(0), a.stride(1),
         b.stride(0), b.stride(1), b.stride(2),
-        out.stride(0), out.stride(1),
+        out.stride(0), bias.stride(0) if bias is not None else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(e + 1),
         B_TRANS=b_trans,

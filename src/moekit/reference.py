@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .epilogue import SwiGLU, swiglu_torch
+
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
@@ -50,3 +52,35 @@ def grouped_mm_ref(
         pieces = [af[:, s:e] @ bf[s:e] for s, e in _bounds(offs)]
         return torch.stack(pieces, dim=0).to(out_dtype)
     raise ValueError(f"grouped_mm_ref: unsupported form {a.dim()}D x {b.dim()}D")
+
+
+def _row_bias(bias: torch.Tensor, offs: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """bias (E, N) expanded to one row per routed row (rows, N); rows past offs[-1] get 0."""
+    counts = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())
+    per_row = torch.repeat_interleave(bias.to(dtype), counts.to(bias.device), dim=0)
+    return torch.cat([per_row, per_row.new_zeros(rows - per_row.shape[0], bias.shape[1])])
+
+
+def grouped_mm_swiglu_ref(x, w_up, offs, *, bias=None, spec: SwiGLU = SwiGLU()):
+    """Reference for :func:`moekit.grouped_mm_swiglu`: ``(h, aux)`` with aux = x @ w_up[g] + bias[g]
+    rounded to x.dtype, and h = SwiGLU(aux) computed from that rounded aux (as the kernel does)."""
+    cdt = _compute_dtype(x, w_up)
+    pre = grouped_mm_ref(x, w_up, offs, out_dtype=cdt)
+    if bias is not None:
+        pre = pre + _row_bias(bias, offs, x.shape[0], cdt)
+    aux = pre.to(x.dtype)
+    return swiglu_torch(aux, spec), aux
+
+
+def grouped_mm_downproj_ref(h, w_down, offs, *, bias=None, aux_biased_acc=None, spec: SwiGLU = SwiGLU()):
+    """Reference for :func:`moekit.grouped_mm_downproj`: h @ w_down[g] + bias[g].
+
+    With ``aux_biased_acc``, h is recomputed as SwiGLU(aux) (the same values), so that autograd
+    carries the gradient through aux: the fused op's contract."""
+    if aux_biased_acc is not None:
+        h = swiglu_torch(aux_biased_acc, spec)
+    cdt = _compute_dtype(h, w_down)
+    out = grouped_mm_ref(h, w_down, offs, out_dtype=cdt)
+    if bias is not None:
+        out = out + _row_bias(bias, offs, h.shape[0], cdt)
+    return out.to(h.dtype)

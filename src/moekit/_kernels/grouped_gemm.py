@@ -80,27 +80,12 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
 
 
 # --------------------------------------------------------------------------------------------------
-# 2D x 3D: rows ragged (forward, dgrad)
+# 2D x 3D: rows ragged (forward, dgrad); the pieces the fused expert kernels share
 # --------------------------------------------------------------------------------------------------
 @triton.jit
-def _grouped_mm_ragged_m_kernel(
-    a, b, c, offs_ptr,  # a (M, K); b (E, K, N); c (M, N); offs (E,) int32 cumulative row ends
-    # TMA path: a is a (M, K) descriptor, b an (E, K, N) one or, with B_TRANS, (E, N, K); c is
-    # row-bounded. Pointer path: raw pointers and the strides below.
-    M, N, K, E,
-    stride_am, stride_ak,
-    stride_be, stride_bk, stride_bn,
-    stride_cm, stride_cn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
-    B_TRANS: tl.constexpr,
-    USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, FLATTEN: tl.constexpr, SPLIT_STORE: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-
-    # Group table, E real groups plus group E: the tail rows [offs[-1], M) that get zeros.
+def _group_table(offs_ptr, M, E, tiles_n, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Per-group row ranges and tile counts, in registers: E real groups plus group E, the tail rows
+    [offs[-1], M) that get zeros. Returns (e, starts, ends, tiles, tiles_end, total)."""
     e = tl.arange(0, BLOCK_E)
     ends = tl.load(offs_ptr + e, mask=e < E, other=M)
     starts = tl.load(offs_ptr + e - 1, mask=(e >= 1) & (e <= E), other=0)
@@ -109,47 +94,112 @@ def _grouped_mm_ragged_m_kernel(
     starts = tl.minimum(tl.maximum(starts, 0), ends)
     tiles = tl.cdiv(ends - starts, BLOCK_M) * tiles_n
     tiles_end = tl.cumsum(tiles, 0)
-    total = tl.sum(tiles, 0)
+    return e, starts, ends, tiles, tiles_end, tl.sum(tiles, 0)
 
-    for tile in tl.range(pid, total, tl.num_programs(0), flatten=FLATTEN):
-        g = tl.sum((tiles_end <= tile).to(tl.int32), 0)
-        hit = e == g
-        first = tl.sum(tl.where(hit, tiles_end - tiles, 0), 0)
-        start = tl.sum(tl.where(hit, starts, 0), 0)
-        end = tl.sum(tl.where(hit, ends, 0), 0)
-        pid_m, pid_n = _swizzle(tile - first, tl.cdiv(end - start, BLOCK_M), tiles_n, GROUP_M)
-        row = start + pid_m * BLOCK_M
-        col = pid_n * BLOCK_N
-        b_base = g.to(tl.int64) * stride_be
 
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        k_iters = tl.where(g < E, k_tiles, 0)  # the tail group only writes zeros
-        for ki in range(k_iters):
-            k = ki * BLOCK_K
-            if USE_TMA:
-                a_tile = a.load([row, k])
-                if B_TRANS:
-                    b_tile = tl.reshape(b.load([g, col, k]), [BLOCK_N, BLOCK_K]).T
-                else:
-                    b_tile = tl.reshape(b.load([g, k, col]), [BLOCK_K, BLOCK_N])
-            else:
-                a_tile = _load_2d(a, 0, row, k, M, K, stride_am, stride_ak, BLOCK_M, BLOCK_K)
-                b_tile = _load_2d(b, b_base, k, col, K, N, stride_bk, stride_bn, BLOCK_K, BLOCK_N)
-            acc = _dot(a_tile, b_tile, acc, DOT_F32)
+@triton.jit
+def _locate(tile, e, starts, ends, tiles, tiles_end, tiles_n, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+    """Tile index -> (group, group start row, group end row, tile's first row, pid_n)."""
+    g = tl.sum((tiles_end <= tile).to(tl.int32), 0)
+    hit = e == g
+    first = tl.sum(tl.where(hit, tiles_end - tiles, 0), 0)
+    start = tl.sum(tl.where(hit, starts, 0), 0)
+    end = tl.sum(tl.where(hit, ends, 0), 0)
+    pid_m, pid_n = _swizzle(tile - first, tl.cdiv(end - start, BLOCK_M), tiles_n, GROUP_M)
+    return g, start, end, start + pid_m * BLOCK_M, pid_n
 
+
+@triton.jit
+def _mainloop(
+    a, b, acc, g, row, col, k_iters, M, N, K,
+    stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    B_TRANS: tl.constexpr, USE_TMA: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """acc += a[row:row+BM, :] @ b[g][:, col:col+BN] over ``k_iters`` steps of BLOCK_K."""
+    b_base = g.to(tl.int64) * stride_be
+    for ki in range(k_iters):
+        k = ki * BLOCK_K
         if USE_TMA:
-            if SPLIT_STORE:  # half the epilogue's shared memory, which buys a pipeline stage
-                left, right = _halves(acc, BLOCK_M, BLOCK_N)
-                _bounded_store(c, end, row, col, left.to(c.dtype), BLOCK_M, BLOCK_N // 2)
-                _bounded_store(c, end, row, col + BLOCK_N // 2, right.to(c.dtype), BLOCK_M, BLOCK_N // 2)
+            a_tile = a.load([row, k])
+            if B_TRANS:
+                b_tile = tl.reshape(b.load([g, col, k]), [BLOCK_N, BLOCK_K]).T
             else:
-                _bounded_store(c, end, row, col, acc.to(c.dtype), BLOCK_M, BLOCK_N)
+                b_tile = tl.reshape(b.load([g, k, col]), [BLOCK_K, BLOCK_N])
         else:
-            out = acc.to(c.dtype.element_ty)
-            rows = row + tl.arange(0, BLOCK_M)
-            cols = col + tl.arange(0, BLOCK_N)
-            ptrs = c + rows[:, None].to(tl.int64) * stride_cm + cols[None, :] * stride_cn
-            tl.store(ptrs, out, mask=(rows[:, None] < end) & (cols[None, :] < N))
+            a_tile = _load_2d(a, 0, row, k, M, K, stride_am, stride_ak, BLOCK_M, BLOCK_K)
+            b_tile = _load_2d(b, b_base, k, col, K, N, stride_bk, stride_bn, BLOCK_K, BLOCK_N)
+        acc = _dot(a_tile, b_tile, acc, DOT_F32)
+    return acc
+
+
+@triton.jit
+def _store_rows(dst, stride_m, end, row, col, n_end, x, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                USE_TMA: tl.constexpr):
+    """Write a [BLOCK_R, BLOCK_C] tile at (row, col); rows >= end and cols >= n_end are dropped.
+    TMA path: ``dst`` is a row-bounded descriptor; pointer path: a pointer with unit column stride."""
+    if USE_TMA:
+        _bounded_store(dst, end, row, col, x.to(dst.dtype), BLOCK_R, BLOCK_C)
+    else:
+        rows = row + tl.arange(0, BLOCK_R)
+        cols = col + tl.arange(0, BLOCK_C)
+        ptrs = dst + rows[:, None].to(tl.int64) * stride_m + cols[None, :]
+        tl.store(ptrs, x.to(dst.dtype.element_ty), mask=(rows[:, None] < end) & (cols[None, :] < n_end))
+
+
+@triton.jit
+def _load_rows(src, stride_m, end, row, col, n_end, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+               USE_TMA: tl.constexpr):
+    """Read a [BLOCK_R, BLOCK_C] tile at (row, col); rows >= end and cols >= n_end read 0."""
+    if USE_TMA:
+        return _bounded_load(src, end, row, col, BLOCK_R, BLOCK_C)
+    return _load_2d(src, 0, row, col, end, n_end, stride_m, 1, BLOCK_R, BLOCK_C)
+
+
+@triton.jit
+def _add_bias(acc, bias, stride_bias_e, g, col, n_end, BLOCK_N: tl.constexpr):
+    """acc + bias[g, col:col+BLOCK_N] (fp32) broadcast over rows; ``bias=None`` leaves acc as is."""
+    if bias is not None:
+        cols = col + tl.arange(0, BLOCK_N)
+        vals = tl.load(bias + g.to(tl.int64) * stride_bias_e + cols, mask=cols < n_end, other=0.0)
+        acc = acc + vals.to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
+def _grouped_mm_ragged_m_kernel(
+    a, b, c, offs_ptr, bias,  # a (M, K); b (E, K, N); c (M, N); offs (E,) int32 row ends; bias (E, N) or None
+    # TMA path: a is a (M, K) descriptor, b an (E, K, N) one or, with B_TRANS, (E, N, K); c is
+    # row-bounded. Pointer path: raw pointers and the strides below.
+    M, N, K, E,
+    stride_am, stride_ak,
+    stride_be, stride_bk, stride_bn,
+    stride_cm, stride_bias_e,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
+    B_TRANS: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, FLATTEN: tl.constexpr, SPLIT_STORE: tl.constexpr,
+):
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    e, starts, ends, tiles, tiles_end, total = _group_table(offs_ptr, M, E, tiles_n, BLOCK_M, BLOCK_E)
+
+    for tile in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=FLATTEN):
+        g, start, end, row, pid_n = _locate(tile, e, starts, ends, tiles, tiles_end, tiles_n, BLOCK_M, GROUP_M)
+        col = pid_n * BLOCK_N
+        real = g < E  # group E is the tail: zeros, no bias
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _mainloop(a, b, acc, g, row, col, tl.where(real, k_tiles, 0), M, N, K,
+                        stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+                        BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS, USE_TMA, DOT_F32)
+        if bias is not None:
+            acc = _add_bias(acc, bias, stride_bias_e, tl.minimum(g, E - 1), col, tl.where(real, N, 0), BLOCK_N)
+        if SPLIT_STORE:  # half the epilogue's shared memory, which buys a pipeline stage
+            left, right = _halves(acc, BLOCK_M, BLOCK_N)
+            _store_rows(c, stride_cm, end, row, col, N, left, BLOCK_M, BLOCK_N // 2, USE_TMA)
+            _store_rows(c, stride_cm, end, row, col + BLOCK_N // 2, N, right, BLOCK_M, BLOCK_N // 2, USE_TMA)
+        else:
+            _store_rows(c, stride_cm, end, row, col, N, acc, BLOCK_M, BLOCK_N, USE_TMA)
 
 
 # --------------------------------------------------------------------------------------------------

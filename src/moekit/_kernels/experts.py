@@ -1,0 +1,188 @@
+"""Fused expert-MLP kernels: the grouped GEMM of ``grouped_gemm.py`` with SwiGLU epilogues.
+
+* ``_grouped_mm_swiglu_kernel`` (up-projection forward): pre = x @ w_up[g] + b_up[g], rounded to the
+  output dtype and stored as ``aux`` (M, 2F); h = SwiGLU(aux) (M, F) is computed from that rounded
+  ``aux`` so that the backward's recompute reproduces it bit for bit.
+* ``_grouped_mm_dswiglu_kernel`` (down-projection dgrad): dH = dOut @ w_down[g]^T, and its epilogue
+  reads ``aux`` and writes d_aux = dSwiGLU(aux) * dH (M, 2F) plus the recomputed h (M, F) that the
+  weight gradient needs, so h never has to be saved.
+* ``_grouped_colsum_kernel``: per-group column sums of a row-ragged matrix (the bias gradients),
+  deterministic: one program per (column block, group), no atomics.
+
+Layouts of the (M, 2F) tensors: interleaved (gate, linear alternate) uses one descriptor/pointer
+``*_a`` over all 2F columns; halves uses ``*_a`` over the gate half and ``*_b`` over the linear half,
+so hardware bounds checks stop at F on each.
+"""
+
+import triton
+import triton.language as tl
+
+from .epilogue import join_pairs, split_pairs, swiglu_apply_bwd, swiglu_apply
+from .grouped_gemm import (
+    _add_bias,
+    _dot,
+    _group_table,
+    _halves,
+    _load_2d,
+    _load_rows,
+    _locate,
+    _mainloop,
+    _store_rows,
+)
+
+
+@triton.jit
+def _mainloop_pair(
+    a, b, acc_g, acc_l, g, row, col_g, col_l, k_iters, M, N, K,
+    stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+    BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
+    B_TRANS: tl.constexpr, USE_TMA: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Two accumulators sharing each A tile: b[g][:, col_g:+BF] and b[g][:, col_l:+BF] (halves layout)."""
+    b_base = g.to(tl.int64) * stride_be
+    for ki in range(k_iters):
+        k = ki * BLOCK_K
+        if USE_TMA:
+            a_tile = a.load([row, k])
+            if B_TRANS:
+                bg = tl.reshape(b.load([g, col_g, k]), [BLOCK_F, BLOCK_K]).T
+                bl = tl.reshape(b.load([g, col_l, k]), [BLOCK_F, BLOCK_K]).T
+            else:
+                bg = tl.reshape(b.load([g, k, col_g]), [BLOCK_K, BLOCK_F])
+                bl = tl.reshape(b.load([g, k, col_l]), [BLOCK_K, BLOCK_F])
+        else:
+            a_tile = _load_2d(a, 0, row, k, M, K, stride_am, stride_ak, BLOCK_M, BLOCK_K)
+            bg = _load_2d(b, b_base, k, col_g, K, N, stride_bk, stride_bn, BLOCK_K, BLOCK_F)
+            bl = _load_2d(b, b_base, k, col_l, K, N, stride_bk, stride_bn, BLOCK_K, BLOCK_F)
+        acc_g = _dot(a_tile, bg, acc_g, DOT_F32)
+        acc_l = _dot(a_tile, bl, acc_l, DOT_F32)
+    return acc_g, acc_l
+
+
+@triton.jit
+def _grouped_mm_swiglu_kernel(
+    a, b, aux_a, aux_b, h, offs_ptr, bias,  # a (M, D); b (E, D, 2F); aux (M, 2F) out; h (M, F) out; bias (E, 2F)
+    M, F, K, E,
+    stride_am, stride_ak,
+    stride_be, stride_bk, stride_bn,
+    stride_aux_m, stride_h_m, stride_bias_e,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
+    B_TRANS: tl.constexpr, USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, FLATTEN: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    ALPHA: tl.constexpr, LIMIT: tl.constexpr, OFFSET: tl.constexpr, HALVES: tl.constexpr,
+):
+    # A tile covers BLOCK_N pre-activation columns, i.e. BLOCK_F = BLOCK_N // 2 columns of h.
+    BLOCK_F: tl.constexpr = BLOCK_N // 2
+    tiles_n = tl.cdiv(F, BLOCK_F)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    e, starts, ends, tiles, tiles_end, total = _group_table(offs_ptr, M, E, tiles_n, BLOCK_M, BLOCK_E)
+
+    for tile in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=FLATTEN):
+        g, start, end, row, pid_n = _locate(tile, e, starts, ends, tiles, tiles_end, tiles_n, BLOCK_M, GROUP_M)
+        j = pid_n * BLOCK_F  # first h column of the tile
+        real = g < E  # group E: rows past offs[-1], which get aux = h = 0
+        k_iters = tl.where(real, k_tiles, 0)
+        gb = tl.minimum(g, E - 1)
+        if HALVES:
+            acc_g = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
+            acc_l = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
+            acc_g, acc_l = _mainloop_pair(a, b, acc_g, acc_l, g, row, j, F + j, k_iters, M, 2 * F, K,
+                                          stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+                                          BLOCK_M, BLOCK_F, BLOCK_K, B_TRANS, USE_TMA, DOT_F32)
+            acc_g = _add_bias(acc_g, bias, stride_bias_e, gb, j, tl.where(real, F, 0), BLOCK_F)
+            acc_l = _add_bias(acc_l, bias, stride_bias_e, gb, F + j, tl.where(real, 2 * F, 0), BLOCK_F)
+            _store_rows(aux_a, stride_aux_m, end, row, j, F, acc_g, BLOCK_M, BLOCK_F, USE_TMA)
+            _store_rows(aux_b, stride_aux_m, end, row, j, F, acc_l, BLOCK_M, BLOCK_F, USE_TMA)
+            # h from the rounded aux, exactly what the backward will recompute
+            gate = acc_g.to(OUT_DTYPE).to(tl.float32)
+            lin = acc_l.to(OUT_DTYPE).to(tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc = _mainloop(a, b, acc, g, row, 2 * j, k_iters, M, 2 * F, K,
+                            stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+                            BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS, USE_TMA, DOT_F32)
+            acc = _add_bias(acc, bias, stride_bias_e, gb, 2 * j, tl.where(real, 2 * F, 0), BLOCK_N)
+            _store_rows(aux_a, stride_aux_m, end, row, 2 * j, 2 * F, acc, BLOCK_M, BLOCK_N, USE_TMA)
+            pre = acc.to(OUT_DTYPE).to(tl.float32)
+            gate, lin = split_pairs(pre, BLOCK_M, BLOCK_F)
+        out = swiglu_apply(gate, lin, ALPHA, LIMIT, OFFSET)
+        _store_rows(h, stride_h_m, end, row, j, F, out, BLOCK_M, BLOCK_F, USE_TMA)
+
+
+@triton.jit
+def _dswiglu_epilogue(
+    dh, aux_a, aux_b, daux_a, daux_b, h, real, end, row, j, F,
+    stride_aux_m, stride_daux_m, stride_h_m,
+    BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, USE_TMA: tl.constexpr,
+    ALPHA: tl.constexpr, LIMIT: tl.constexpr, OFFSET: tl.constexpr, HALVES: tl.constexpr,
+):
+    """d_aux and h for h columns [j, j + BLOCK_F) of one row tile, given dH there (fp32)."""
+    if HALVES:
+        gate = _load_rows(aux_a, stride_aux_m, end, row, j, F, BLOCK_M, BLOCK_F, USE_TMA).to(tl.float32)
+        lin = _load_rows(aux_b, stride_aux_m, end, row, j, F, BLOCK_M, BLOCK_F, USE_TMA).to(tl.float32)
+    else:
+        pre = _load_rows(aux_a, stride_aux_m, end, row, 2 * j, 2 * F, BLOCK_M, 2 * BLOCK_F, USE_TMA)
+        gate, lin = split_pairs(pre.to(tl.float32), BLOCK_M, BLOCK_F)
+    dg, dl, out = swiglu_apply_bwd(gate, lin, dh, ALPHA, LIMIT, OFFSET)
+    # rows past offs[-1] (the tail group) get exact zeros whatever aux holds there
+    dg = tl.where(real, dg, 0.0)
+    dl = tl.where(real, dl, 0.0)
+    out = tl.where(real, out, 0.0)
+    if HALVES:
+        _store_rows(daux_a, stride_daux_m, end, row, j, F, dg, BLOCK_M, BLOCK_F, USE_TMA)
+        _store_rows(daux_b, stride_daux_m, end, row, j, F, dl, BLOCK_M, BLOCK_F, USE_TMA)
+    else:
+        both = join_pairs(dg, dl, BLOCK_M, BLOCK_F)
+        _store_rows(daux_a, stride_daux_m, end, row, 2 * j, 2 * F, both, BLOCK_M, 2 * BLOCK_F, USE_TMA)
+    _store_rows(h, stride_h_m, end, row, j, F, out, BLOCK_M, BLOCK_F, USE_TMA)
+
+
+@triton.jit
+def _grouped_mm_dswiglu_kernel(
+    a, b, aux_a, aux_b, daux_a, daux_b, h, offs_ptr,  # a = dOut (M, D); b (E, D, F); aux, daux (M, 2F); h (M, F)
+    M, F, K, E,
+    stride_am, stride_ak,
+    stride_be, stride_bk, stride_bn,
+    stride_aux_m, stride_daux_m, stride_h_m,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
+    B_TRANS: tl.constexpr, USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, FLATTEN: tl.constexpr,
+    ALPHA: tl.constexpr, LIMIT: tl.constexpr, OFFSET: tl.constexpr, HALVES: tl.constexpr,
+):
+    tiles_n = tl.cdiv(F, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    e, starts, ends, tiles, tiles_end, total = _group_table(offs_ptr, M, E, tiles_n, BLOCK_M, BLOCK_E)
+
+    for tile in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=FLATTEN):
+        g, start, end, row, pid_n = _locate(tile, e, starts, ends, tiles, tiles_end, tiles_n, BLOCK_M, GROUP_M)
+        j = pid_n * BLOCK_N
+        real = g < E
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _mainloop(a, b, acc, g, row, j, tl.where(real, k_tiles, 0), M, F, K,
+                        stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+                        BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS, USE_TMA, DOT_F32)
+        # Two halves of the tile, one after the other, keep the aux tile and the SwiGLU temporaries
+        # within the register budget next to the accumulator.
+        left, right = _halves(acc, BLOCK_M, BLOCK_N)
+        _dswiglu_epilogue(left, aux_a, aux_b, daux_a, daux_b, h, real, end, row, j, F,
+                          stride_aux_m, stride_daux_m, stride_h_m, BLOCK_M, BLOCK_N // 2, USE_TMA,
+                          ALPHA, LIMIT, OFFSET, HALVES)
+        _dswiglu_epilogue(right, aux_a, aux_b, daux_a, daux_b, h, real, end, row, j + BLOCK_N // 2, F,
+                          stride_aux_m, stride_daux_m, stride_h_m, BLOCK_M, BLOCK_N // 2, USE_TMA,
+                          ALPHA, LIMIT, OFFSET, HALVES)
+
+
+@triton.jit
+def _grouped_colsum_kernel(
+    x, offs_ptr, out, M, N, E, stride_xm, stride_oe,  # x (M, N) rows ragged by offs; out (E, N) fp32
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    g = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    end = tl.minimum(tl.maximum(tl.load(offs_ptr + g), 0), M)
+    start = tl.minimum(tl.maximum(tl.load(offs_ptr + g - 1, mask=g > 0, other=0), 0), end)
+    acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
+    for r in range(start, end, BLOCK_R):
+        acc += _load_2d(x, 0, r, tl.program_id(0) * BLOCK_C, end, N, stride_xm, 1, BLOCK_R, BLOCK_C).to(tl.float32)
+    tl.store(out + g.to(tl.int64) * stride_oe + cols, tl.sum(acc, 0), mask=cols < N)

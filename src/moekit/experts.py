@@ -1,0 +1,385 @@
+"""Fused expert MLP ops: ``grouped_mm_swiglu`` (up-projection) and ``grouped_mm_downproj``.
+
+Legend: M routed rows (sorted by expert), D model dim, F expert hidden dim, E experts.
+
+Forward: one grouped GEMM computes ``aux = x @ w_up[g] + b_up[g]`` (M, 2F) and ``h = SwiGLU(aux)``
+(M, F) in its epilogue; a second computes ``out = h @ w_down[g] + b_down[g]`` (M, D).
+
+Backward (the fused-only contract): the gradient flows through ``aux``, not ``h``. The down-projection
+dgrad computes dH = dOut @ w_down^T and, in the same kernel's epilogue, d_aux = dSwiGLU(aux) * dH and
+a recomputed h; then dW_down = h^T @ dOut, dX = d_aux @ w_up^T, dW_up = x^T @ d_aux, and the bias
+gradients are per-expert column sums. Only ``aux`` is saved between forward and backward.
+
+Reads as: references (``reference.py``) -> kernels (``_kernels/experts.py``) -> launchers
+(``*_fwd`` / ``grouped_mm_dswiglu`` / ``grouped_colsum``) -> custom ops with fakes and autograd ->
+public functions.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import config
+from ._kernels.experts import _grouped_colsum_kernel, _grouped_mm_dswiglu_kernel, _grouped_mm_swiglu_kernel
+from .epilogue import SwiGLU
+from .grouped_gemm import _check_layout, _grouped_mm_op, _matrix_ready, _ragged_m, _row_bounded, _tma_ok
+from .reference import grouped_mm_downproj_ref, grouped_mm_swiglu_ref
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+# --------------------------------------------------------------------------------------------------
+# launchers
+# --------------------------------------------------------------------------------------------------
+
+
+def _pair_views(t: torch.Tensor, spec: SwiGLU):
+    """The (M, 2F) tensor as the kernels address it: all of it (interleaved) or its two halves."""
+    if spec.halves:
+        f = t.shape[1] // 2
+        return t[:, :f], t[:, f:]
+    return t, t
+
+
+def _weights(w: torch.Tensor, cfg_block_n: int, block_k: int):
+    """(descriptor or tensor, B_TRANS) for an (E, K, N) weight with unit stride along K or N."""
+    if w.stride(2) == 1:
+        return TensorDescriptor(w, list(w.shape), [w.stride(0), w.stride(1), 1], [1, block_k, cfg_block_n]), False
+    e, k, n = w.shape
+    return TensorDescriptor(w, [e, n, k], [w.stride(0), w.stride(2), 1], [1, cfg_block_n, block_k]), True
+
+
+def _launch_common(x, w, out_bytes, n_gemm):
+    m, k = x.shape
+    e = w.shape[0]
+    cfg = config.grouped_mm_config(
+        m // e, n_gemm, k, e, ragged_k=False, tma=config.use_tma(x.device), out_bytes=out_bytes, device=x.device
+    )
+    sms = config.num_sms(x.device)
+    return m, k, e, cfg, sms
+
+
+def _tma_views_ok(x, w, tensors) -> bool:
+    return (
+        TensorDescriptor is not None
+        and config.use_tma(x.device)
+        and x.stride(1) == 1
+        and _tma_ok(x, 1)
+        and _tma_ok(w, 2 if w.stride(2) == 1 else 1)
+        and all(_tma_ok(t, 1) for t in tensors)
+    )
+
+
+def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig | None = None):
+    """x (M, D), w (E, D, 2F), bias (E, 2F) or None -> (h (M, F), aux (M, 2F)) in x.dtype."""
+    m, d = x.shape
+    e, two_f = w.shape[0], w.shape[2]
+    f = two_f // 2
+    aux = config.empty((m, two_f), dtype=x.dtype, device=x.device)
+    h = config.empty((m, f), dtype=x.dtype, device=x.device)
+    if m == 0 or f == 0:
+        return h, aux
+    _, _, _, auto, sms = _launch_common(x, w, x.element_size(), two_f)
+    cfg = cfg or auto
+    aux_a, aux_b = _pair_views(aux, spec)
+    tma = d > 0 and _tma_views_ok(x, w, (aux_a, aux_b, h))
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    bf = bn // 2
+    if tma:
+        aux_block = [bm, bf] if spec.halves else [bm, bn]
+        args = (
+            TensorDescriptor(x, [m, d], [x.stride(0), 1], [bm, bk]),
+            _weights(w, bf if spec.halves else bn, bk)[0],
+            _row_bounded(aux_a, aux_block),
+            _row_bounded(aux_b, aux_block),
+            _row_bounded(h, [bm, bf]),
+        )
+    else:
+        args = (x, w, aux_a, aux_b, h)
+    tiles = (triton.cdiv(m, bm) + e + 1) * triton.cdiv(f, bf)
+    _grouped_mm_swiglu_kernel[(min(sms * cfg.programs_per_sm, tiles),)](
+        *args, offs, bias,
+        m, f, d, e,
+        x.stride(0), x.stride(1),
+        w.stride(0), w.stride(1), w.stride(2),
+        aux.stride(0), h.stride(0), bias.stride(0) if bias is not None else 0,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(e + 1),
+        B_TRANS=w.stride(2) != 1, USE_TMA=tma, DOT_F32=config.is_interpreting(), FLATTEN=cfg.flatten,
+        OUT_DTYPE=_TL_DTYPES[x.dtype], **spec.constexprs(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return h, aux
+
+
+def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, cfg: config.TileConfig | None = None):
+    """Down-projection dgrad with the SwiGLU backward fused in its epilogue.
+
+    grad (M, D) = dOut, w (E, F, D) the down weight, aux (M, 2F) -> (d_aux (M, 2F), h (M, F)), where
+    dH = grad @ w[g]^T and d_aux = dSwiGLU(aux) * dH; h = SwiGLU(aux) is recomputed on the way.
+    """
+    m, d = grad.shape
+    e, f = w.shape[0], w.shape[1]
+    b = w.mT  # (E, D, F): the dgrad's B operand
+    daux = config.empty((m, 2 * f), dtype=aux.dtype, device=grad.device)
+    h = config.empty((m, f), dtype=aux.dtype, device=grad.device)
+    if m == 0 or f == 0:
+        return daux, h
+    _, _, _, auto, sms = _launch_common(grad, b, aux.element_size(), f)
+    cfg = cfg or auto
+    aux_a, aux_b = _pair_views(aux, spec)
+    daux_a, daux_b = _pair_views(daux, spec)
+    tma = d > 0 and _tma_views_ok(grad, b, (aux_a, aux_b, daux_a, daux_b, h))
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    half = bn // 2
+    if tma:
+        pair_block = [bm, half] if spec.halves else [bm, bn]
+        args = (
+            TensorDescriptor(grad, [m, d], [grad.stride(0), 1], [bm, bk]),
+            _weights(b, bn, bk)[0],
+            _row_bounded(aux_a, pair_block),
+            _row_bounded(aux_b, pair_block),
+            _row_bounded(daux_a, pair_block),
+            _row_bounded(daux_b, pair_block),
+            _row_bounded(h, [bm, half]),
+        )
+    else:
+        args = (grad, b, aux_a, aux_b, daux_a, daux_b, h)
+    tiles = (triton.cdiv(m, bm) + e + 1) * triton.cdiv(f, bn)
+    _grouped_mm_dswiglu_kernel[(min(sms * cfg.programs_per_sm, tiles),)](
+        *args, offs,
+        m, f, d, e,
+        grad.stride(0), grad.stride(1),
+        b.stride(0), b.stride(1), b.stride(2),
+        aux.stride(0), daux.stride(0), h.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(e + 1),
+        B_TRANS=b.stride(2) != 1, USE_TMA=tma, DOT_F32=config.is_interpreting(), FLATTEN=cfg.flatten,
+        **spec.constexprs(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return daux, h
+
+
+def grouped_colsum(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Per-group column sums of a row-ragged (M, N) matrix -> (E, N) fp32; empty groups are 0."""
+    m, n = x.shape
+    e = offs.shape[0]
+    out = config.empty((e, n), dtype=torch.float32, device=x.device)
+    if n == 0:
+        return out
+    block_r, block_c = (16, 32) if config.is_interpreting() else (32, 128)
+    _grouped_colsum_kernel[(triton.cdiv(n, block_c), e)](
+        x, offs, out, m, n, e, x.stride(0), out.stride(0), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# custom ops
+# --------------------------------------------------------------------------------------------------
+
+
+def _spec(alpha, limit, linear_offset, layout) -> SwiGLU:
+    return SwiGLU(alpha=alpha, limit=limit, linear_offset=linear_offset, layout=layout)
+
+
+@torch.library.custom_op("moekit::grouped_mm_swiglu", mutates_args=())
+def _swiglu_op(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, bias: torch.Tensor | None,
+    alpha: float, limit: float | None, linear_offset: float, layout: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return grouped_mm_swiglu_fwd(x, w, offs, bias, _spec(alpha, limit, linear_offset, layout))
+
+
+@_swiglu_op.register_fake
+def _(x, w, offs, bias, alpha, limit, linear_offset, layout):
+    two_f = w.shape[2]
+    return x.new_empty((x.shape[0], two_f // 2)), x.new_empty((x.shape[0], two_f))
+
+
+@torch.library.custom_op("moekit::grouped_mm_dswiglu", mutates_args=())
+def _dswiglu_op(
+    grad: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, aux: torch.Tensor,
+    alpha: float, limit: float | None, linear_offset: float, layout: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return grouped_mm_dswiglu(grad, w, offs, aux, _spec(alpha, limit, linear_offset, layout))
+
+
+@_dswiglu_op.register_fake
+def _(grad, w, offs, aux, alpha, limit, linear_offset, layout):
+    return torch.empty_like(aux), aux.new_empty((aux.shape[0], aux.shape[1] // 2))
+
+
+@torch.library.custom_op("moekit::grouped_colsum", mutates_args=())
+def _colsum_op(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return grouped_colsum(x, offs)
+
+
+@_colsum_op.register_fake
+def _(x, offs):
+    return x.new_empty((offs.shape[0], x.shape[1]), dtype=torch.float32)
+
+
+@torch.library.custom_op("moekit::grouped_mm_downproj", mutates_args=())
+def _downproj_op(
+    h: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, bias: torch.Tensor | None, aux: torch.Tensor | None,
+    alpha: float, limit: float | None, linear_offset: float, layout: str,
+) -> torch.Tensor:
+    return _ragged_m(h, w, offs, h.dtype, None, bias=bias)
+
+
+@_downproj_op.register_fake
+def _(h, w, offs, bias, aux, alpha, limit, linear_offset, layout):
+    return h.new_empty((h.shape[0], w.shape[2]))
+
+
+def _bias_grad(grad, offs, bias):
+    return None if bias is None else _colsum_op(grad, offs).to(bias.dtype)
+
+
+_CONTRACT = (
+    "moekit: a gradient reached h, the SwiGLU output of grouped_mm_swiglu. Its fused backward "
+    "carries the gradient through aux instead: consume h only through "
+    "grouped_mm_downproj(h, w_down, offs=offs, aux_biased_acc=aux, ...) with the same SwiGLU settings, "
+    "or use moekit.grouped_mm plus a separate activation if h feeds anything else."
+)
+
+
+def _swiglu_setup(ctx, inputs, output):
+    x, w, offs, bias, *_ = inputs
+    ctx.save_for_backward(x, w, offs, bias)
+    ctx.set_materialize_grads(False)  # an unused h must arrive as None, not as zeros
+
+
+def _swiglu_backward(ctx, grad_h, grad_aux):
+    if grad_h is not None:
+        raise RuntimeError(_CONTRACT)
+    x, w, offs, bias = ctx.saved_tensors
+    if grad_aux is None:
+        return (None,) * 8
+    d_aux = _matrix_ready(grad_aux)
+    need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
+    grad_x = _grouped_mm_op(d_aux, w.mT, offs, None) if need_x else None
+    grad_w = _grouped_mm_op(x.mT, d_aux, offs, None) if need_w else None
+    grad_b = _bias_grad(d_aux, offs, bias) if need_b else None
+    return grad_x, grad_w, None, grad_b, None, None, None, None
+
+
+_swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
+
+
+def _downproj_setup(ctx, inputs, output):
+    h, w, offs, bias, aux, alpha, limit, linear_offset, layout = inputs
+    ctx.spec = (alpha, limit, linear_offset, layout)
+    ctx.fused = aux is not None
+    # With aux, h is recomputed in the backward and never saved.
+    ctx.save_for_backward(aux if ctx.fused else h, w, offs, bias)
+
+
+def _downproj_backward(ctx, grad):
+    saved, w, offs, bias = ctx.saved_tensors
+    grad = _matrix_ready(grad.to(w.dtype))
+    need_h, need_w, _, need_b, need_aux = ctx.needs_input_grad[:5]
+    grad_h = grad_aux = None
+    if ctx.fused:
+        grad_aux, h = _dswiglu_op(grad, w, offs, saved, *ctx.spec)
+        grad_aux = grad_aux if need_aux else None
+    else:
+        h = saved
+        grad_h = _grouped_mm_op(grad, w.mT, offs, None) if need_h else None
+    grad_w = _grouped_mm_op(h.mT, grad, offs, None) if need_w else None
+    grad_b = _bias_grad(grad, offs, bias) if need_b else None
+    return grad_h, grad_w, None, grad_b, grad_aux, None, None, None, None
+
+
+_downproj_op.register_autograd(_downproj_backward, setup_context=_downproj_setup)
+
+# --------------------------------------------------------------------------------------------------
+# public ops
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_expert_inputs(name, x, w, offs, bias, n_bias):
+    if x.dim() != 2 or w.dim() != 3:
+        raise ValueError(f"{name}: expects x (M, K) and w (E, K, N), got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.dtype not in _TL_DTYPES or w.dtype != x.dtype:
+        raise TypeError(f"{name}: x and w must both be bfloat16 or float16, got {x.dtype} and {w.dtype}")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"{name}: K mismatch, x {tuple(x.shape)} vs w {tuple(w.shape)}")
+    if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or offs.shape != (w.shape[0],):
+        raise TypeError(f"{name}: offs must be an int32 tensor of shape (E,) = ({w.shape[0]},)")
+    if len({x.device, w.device, offs.device} | ({bias.device} if bias is not None else set())) != 1:
+        raise ValueError(f"{name}: all tensors must be on one device")
+    if bias is not None and (bias.shape != (w.shape[0], n_bias) or bias.stride(-1) != 1):
+        raise ValueError(f"{name}: bias must be (E, N) = ({w.shape[0]}, {n_bias}) with unit column stride")
+    _check_layout("x", x)
+    _check_layout("w", w)
+
+
+def grouped_mm_swiglu(
+    x: torch.Tensor,
+    w_up: torch.Tensor,
+    offs: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float | None = 7.0,
+    swiglu_linear_offset: float = 1.0,
+    gate_up_layout: str = "interleaved",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up-projection with bias and SwiGLU fused: returns ``(h, aux)``.
+
+    x (M, D) bf16/fp16 rows sorted by expert; w_up (E, D, 2F), e.g. a ``(E, 2F, D)`` torchtitan weight
+    passed as ``w.mT`` (no copy); bias (E, 2F) or None; offs (E,) int32 cumulative row ends.
+    ``aux`` = x @ w_up[g] + bias[g] (M, 2F) in x.dtype, ``h`` = SwiGLU(aux) (M, F); rows past
+    offs[-1] are zero in both. See :class:`moekit.epilogue.SwiGLU` for the activation and layouts.
+
+    Backward contract: ``h`` carries no gradient. Feed it to :func:`grouped_mm_downproj` together
+    with ``aux_biased_acc=aux``; the gradient then reaches x, w_up and bias through ``aux``. A
+    gradient that reaches ``h`` raises an error explaining this.
+    """
+    spec = SwiGLU(swiglu_alpha, swiglu_limit, swiglu_linear_offset, gate_up_layout)
+    _check_expert_inputs("grouped_mm_swiglu", x, w_up, offs, bias, w_up.shape[2])
+    if w_up.shape[2] % 2:
+        raise ValueError(f"grouped_mm_swiglu: w_up's last dim must be 2F (even), got {w_up.shape[2]}")
+    if not config.uses_triton(x.device):
+        return grouped_mm_swiglu_ref(x, w_up, offs, bias=bias, spec=spec)
+    return _swiglu_op(x, w_up, offs, bias, *_spec_args(spec))
+
+
+def grouped_mm_downproj(
+    h: torch.Tensor,
+    w_down: torch.Tensor,
+    offs: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    aux_biased_acc: torch.Tensor | None = None,
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float | None = 7.0,
+    swiglu_linear_offset: float = 1.0,
+    gate_up_layout: str = "interleaved",
+) -> torch.Tensor:
+    """Down-projection with bias fused: ``out = h @ w_down[g] + bias[g]`` (M, D).
+
+    h (M, F); w_down (E, F, D), e.g. a ``(E, D, F)`` torchtitan weight as ``w.mT``; bias (E, D) or
+    None. With ``aux_biased_acc=aux`` from :func:`grouped_mm_swiglu` (and the same SwiGLU settings),
+    the backward runs fused: its dgrad kernel applies the SwiGLU derivative to produce d_aux and
+    recomputes h for the weight gradient, so neither h nor dH is stored. Without it, this is a plain
+    grouped GEMM + bias whose gradient flows to ``h``.
+    """
+    spec = SwiGLU(swiglu_alpha, swiglu_limit, swiglu_linear_offset, gate_up_layout)
+    _check_expert_inputs("grouped_mm_downproj", h, w_down, offs, bias, w_down.shape[2])
+    if aux_biased_acc is not None and aux_biased_acc.shape != (h.shape[0], 2 * h.shape[1]):
+        raise ValueError(f"grouped_mm_downproj: aux must be (M, 2F) = ({h.shape[0]}, {2 * h.shape[1]})")
+    if not config.uses_triton(h.device):
+        return grouped_mm_downproj_ref(h, w_down, offs, bias=bias, aux_biased_acc=aux_biased_acc, spec=spec)
+    return _downproj_op(h, w_down, offs, bias, aux_biased_acc, *_spec_args(spec))
+
+
+def _spec_args(spec: SwiGLU):
+    return spec.alpha, spec.limit, spec.linear_offset, spec.layout
