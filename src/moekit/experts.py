@@ -348,7 +348,7 @@ def grouped_mm_swiglu(
     if w_up.shape[2] % 2:
         raise ValueError(f"grouped_mm_swiglu: w_up's last dim must be 2F (even), got {w_up.shape[2]}")
     if not config.uses_triton(x.device):
-        return grouped_mm_swiglu_ref(x, w_up, offs, bias=bias, spec=spec)
+        return grouped_mm_swiglu_ref(x, w_up, offs, bias=bias, **_spec_kwargs(spec))
     return _swiglu_op(x, w_up, offs, bias, *_spec_args(spec))
 
 
@@ -377,9 +377,16 @@ def grouped_mm_downproj(
     if aux_biased_acc is not None and aux_biased_acc.shape != (h.shape[0], 2 * h.shape[1]):
         raise ValueError(f"grouped_mm_downproj: aux must be (M, 2F) = ({h.shape[0]}, {2 * h.shape[1]})")
     if not config.uses_triton(h.device):
-        return grouped_mm_downproj_ref(h, w_down, offs, bias=bias, aux_biased_acc=aux_biased_acc, spec=spec)
+        return grouped_mm_downproj_ref(
+            h, w_down, offs, bias=bias, aux_biased_acc=aux_biased_acc, **_spec_kwargs(spec)
+        )
     return _downproj_op(h, w_down, offs, bias, aux_biased_acc, *_spec_args(spec))
 
 
 def _spec_args(spec: SwiGLU):
     return spec.alpha, spec.limit, spec.linear_offset, spec.layout
+
+
+def _spec_kwargs(spec: SwiGLU) -> dict:
+    return dict(swiglu_alpha=spec.alpha, swiglu_limit=spec.limit, swiglu_linear_offset=spec.linear_offset,
+                gate_up_layout=spec.layout)

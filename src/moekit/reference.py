@@ -61,9 +61,13 @@ def _row_bias(bias: torch.Tensor, offs: torch.Tensor, rows: int, dtype: torch.dt
     return torch.cat([per_row, per_row.new_zeros(rows - per_row.shape[0], bias.shape[1])])
 
 
-def grouped_mm_swiglu_ref(x, w_up, offs, *, bias=None, spec: SwiGLU = SwiGLU()):
+def grouped_mm_swiglu_ref(
+    x, w_up, offs, *, bias=None, swiglu_alpha=1.702, swiglu_limit=7.0, swiglu_linear_offset=1.0,
+    gate_up_layout="interleaved",
+):
     """Reference for :func:`moekit.grouped_mm_swiglu`: ``(h, aux)`` with aux = x @ w_up[g] + bias[g]
     rounded to x.dtype, and h = SwiGLU(aux) computed from that rounded aux (as the kernel does)."""
+    spec = SwiGLU(swiglu_alpha, swiglu_limit, swiglu_linear_offset, gate_up_layout)
     cdt = _compute_dtype(x, w_up)
     pre = grouped_mm_ref(x, w_up, offs, out_dtype=cdt)
     if bias is not None:
@@ -72,12 +76,16 @@ def grouped_mm_swiglu_ref(x, w_up, offs, *, bias=None, spec: SwiGLU = SwiGLU()):
     return swiglu_torch(aux, spec), aux
 
 
-def grouped_mm_downproj_ref(h, w_down, offs, *, bias=None, aux_biased_acc=None, spec: SwiGLU = SwiGLU()):
+def grouped_mm_downproj_ref(
+    h, w_down, offs, *, bias=None, aux_biased_acc=None, swiglu_alpha=1.702, swiglu_limit=7.0,
+    swiglu_linear_offset=1.0, gate_up_layout="interleaved",
+):
     """Reference for :func:`moekit.grouped_mm_downproj`: h @ w_down[g] + bias[g].
 
     With ``aux_biased_acc``, h is recomputed as SwiGLU(aux) (the same values), so that autograd
     carries the gradient through aux: the fused op's contract."""
     if aux_biased_acc is not None:
+        spec = SwiGLU(swiglu_alpha, swiglu_limit, swiglu_linear_offset, gate_up_layout)
         h = swiglu_torch(aux_biased_acc, spec)
     cdt = _compute_dtype(h, w_down)
     out = grouped_mm_ref(h, w_down, offs, out_dtype=cdt)

@@ -17,7 +17,7 @@ so hardware bounds checks stop at F on each.
 import triton
 import triton.language as tl
 
-from .epilogue import join_pairs, split_pairs, swiglu_apply_bwd, swiglu_apply
+from .epilogue import join_pairs, split_pairs, swiglu_apply, swiglu_apply_bwd
 from .grouped_gemm import (
     _add_bias,
     _dot,
