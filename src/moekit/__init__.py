@@ -11,9 +11,26 @@ device and are never read by the host.
 """
 
 from .config import TileConfig, set_debug
+from .epilogue import SwiGLU
+from .experts import grouped_mm_downproj, grouped_mm_swiglu, swiglu
 from .grouped_gemm import grouped_mm
-from .reference import grouped_mm_ref
+from .layers import GptOssExperts
+from .reference import grouped_mm_downproj_ref, grouped_mm_ref, grouped_mm_swiglu_ref, swiglu_ref
 
 __version__ = "0.1.0"
 
-__all__ = ["TileConfig", "grouped_mm", "grouped_mm_ref", "set_debug", "__version__"]
+__all__ = [
+    "GptOssExperts",
+    "SwiGLU",
+    "TileConfig",
+    "grouped_mm",
+    "grouped_mm_downproj",
+    "grouped_mm_downproj_ref",
+    "grouped_mm_ref",
+    "grouped_mm_swiglu",
+    "grouped_mm_swiglu_ref",
+    "set_debug",
+    "swiglu",
+    "swiglu_ref",
+    "__version__",
+]

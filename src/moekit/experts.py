@@ -22,10 +22,11 @@ import triton
 import triton.language as tl
 
 from . import config
+from ._kernels.epilogue import _swiglu_bwd_kernel, _swiglu_kernel
 from ._kernels.experts import _grouped_colsum_kernel, _grouped_mm_dswiglu_kernel, _grouped_mm_swiglu_kernel
 from .epilogue import SwiGLU
 from .grouped_gemm import _check_layout, _grouped_mm_op, _matrix_ready, _ragged_m, _row_bounded, _tma_ok
-from .reference import grouped_mm_downproj_ref, grouped_mm_swiglu_ref
+from .reference import grouped_mm_downproj_ref, grouped_mm_swiglu_ref, swiglu_ref
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -179,9 +180,73 @@ def grouped_colsum(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _elementwise_grid(m, f):
+    block_r, block_f = (16, 16) if config.is_interpreting() else (32, 128)
+    return (triton.cdiv(m, block_r), triton.cdiv(f, block_f)), dict(BLOCK_R=block_r, BLOCK_F=block_f)
+
+
+def swiglu_fwd(pre: torch.Tensor, spec: SwiGLU) -> torch.Tensor:
+    """Standalone SwiGLU: pre (M, 2F) -> h (M, F), the same device function as the fused epilogue."""
+    m, two_f = pre.shape
+    h = config.empty((m, two_f // 2), dtype=pre.dtype, device=pre.device)
+    if h.numel():
+        grid, blocks = _elementwise_grid(m, two_f // 2)
+        _swiglu_kernel[grid](pre, h, m, two_f // 2, pre.stride(0), h.stride(0), **spec.constexprs(), **blocks)
+    return h
+
+
+def swiglu_bwd(pre: torch.Tensor, dh: torch.Tensor, spec: SwiGLU) -> torch.Tensor:
+    """d(pre) (M, 2F) from pre (M, 2F) and dh (M, F), the same device function as the fused dgrad."""
+    m, two_f = pre.shape
+    dpre = config.empty((m, two_f), dtype=pre.dtype, device=pre.device)
+    if dpre.numel():
+        grid, blocks = _elementwise_grid(m, two_f // 2)
+        _swiglu_bwd_kernel[grid](pre, dh, dpre, m, two_f // 2, pre.stride(0), dh.stride(0), dpre.stride(0),
+                                 **spec.constexprs(), **blocks)
+    return dpre
+
+
 # --------------------------------------------------------------------------------------------------
 # custom ops
 # --------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("moekit::swiglu", mutates_args=())
+def _swiglu_act_op(
+    pre: torch.Tensor, alpha: float, limit: float | None, linear_offset: float, layout: str
+) -> torch.Tensor:
+    return swiglu_fwd(pre, _spec(alpha, limit, linear_offset, layout))
+
+
+@_swiglu_act_op.register_fake
+def _(pre, alpha, limit, linear_offset, layout):
+    return pre.new_empty((pre.shape[0], pre.shape[1] // 2))
+
+
+@torch.library.custom_op("moekit::swiglu_bwd", mutates_args=())
+def _swiglu_act_bwd_op(
+    pre: torch.Tensor, dh: torch.Tensor, alpha: float, limit: float | None, linear_offset: float, layout: str
+) -> torch.Tensor:
+    return swiglu_bwd(pre, dh, _spec(alpha, limit, linear_offset, layout))
+
+
+@_swiglu_act_bwd_op.register_fake
+def _(pre, dh, alpha, limit, linear_offset, layout):
+    return torch.empty_like(pre)
+
+
+def _swiglu_act_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+    ctx.spec = inputs[1:]
+
+
+def _swiglu_act_backward(ctx, grad):
+    (pre,) = ctx.saved_tensors
+    return _swiglu_act_bwd_op(pre, _matrix_ready(grad.to(pre.dtype)), *ctx.spec), None, None, None, None
+
+
+_swiglu_act_op.register_autograd(_swiglu_act_backward, setup_context=_swiglu_act_setup)
+
 
 
 def _spec(alpha, limit, linear_offset, layout) -> SwiGLU:
@@ -381,6 +446,26 @@ def grouped_mm_downproj(
             h, w_down, offs, bias=bias, aux_biased_acc=aux_biased_acc, **_spec_kwargs(spec)
         )
     return _downproj_op(h, w_down, offs, bias, aux_biased_acc, *_spec_args(spec))
+
+
+def swiglu(
+    pre: torch.Tensor,
+    *,
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float | None = 7.0,
+    swiglu_linear_offset: float = 1.0,
+    gate_up_layout: str = "interleaved",
+) -> torch.Tensor:
+    """SwiGLU of a (M, 2F) pre-activation -> (M, F), differentiable; the fused epilogues' math standalone.
+
+    bf16/fp16/fp32 in, same dtype out, computed in fp32. See :class:`moekit.epilogue.SwiGLU`.
+    """
+    spec = SwiGLU(swiglu_alpha, swiglu_limit, swiglu_linear_offset, gate_up_layout)
+    if pre.dim() != 2 or pre.shape[1] % 2 or pre.stride(1) != 1:
+        raise ValueError(f"swiglu: pre must be (M, 2F) with unit column stride, got {tuple(pre.shape)}")
+    if not config.uses_triton(pre.device):
+        return swiglu_ref(pre, **_spec_kwargs(spec))
+    return _swiglu_act_op(pre, *_spec_args(spec))
 
 
 def _spec_args(spec: SwiGLU):

@@ -92,3 +92,8 @@ def grouped_mm_downproj_ref(
     if bias is not None:
         out = out + _row_bias(bias, offs, h.shape[0], cdt)
     return out.to(h.dtype)
+
+
+def swiglu_ref(pre, *, swiglu_alpha=1.702, swiglu_limit=7.0, swiglu_linear_offset=1.0, gate_up_layout="interleaved"):
+    """Reference for :func:`moekit.swiglu`: (M, 2F) -> (M, F), differentiable."""
+    return swiglu_torch(pre, SwiGLU(swiglu_alpha, swiglu_limit, swiglu_linear_offset, gate_up_layout))

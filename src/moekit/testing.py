@@ -68,3 +68,21 @@ def random_counts(total: int, groups: int, *, generator=None) -> list[int]:
     cuts = torch.randint(0, total + 1, (groups - 1,), generator=generator).sort().values.tolist()
     edges = [0, *cuts, total]
     return [edges[i + 1] - edges[i] for i in range(groups)]
+
+
+def assert_within_baseline(
+    out: torch.Tensor, oracle: torch.Tensor, baseline: torch.Tensor, *, factor: float = 2.0, what: str = ""
+) -> None:
+    """Assert out's error against a float64 oracle is at most ``factor`` x a baseline's, plus a floor.
+
+    ``baseline`` is the same computation done by PyTorch in the same precision (the reference run on
+    the bf16 inputs), so a chain of bf16 roundings is held to PyTorch's own error, not a guess.
+    """
+    assert out.shape == oracle.shape, f"{what}: shape {tuple(out.shape)} != {tuple(oracle.shape)}"
+    if oracle.numel() == 0 or not oracle.detach().any():
+        assert not out.detach().any(), f"{what}: expected exact zeros"
+        return
+    (o_max, o_rms), (b_max, b_rms) = rel_errors(out, oracle), rel_errors(baseline, oracle)
+    assert o_rms <= factor * b_rms + 1e-3 and o_max <= factor * b_max + 4e-3, (
+        f"{what}: max-rel {o_max:.3g} vs baseline {b_max:.3g}, rms-rel {o_rms:.3g} vs baseline {b_rms:.3g}"
+    )

@@ -1,0 +1,69 @@
+"""nn.Modules built on moekit's ops."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .experts import grouped_mm_downproj, grouped_mm_swiglu
+
+
+class GptOssExperts(nn.Module):
+    """gpt-oss expert MLPs, a drop-in for torchtitan's ``GptOssGroupedExperts``.
+
+    Parameters keep torchtitan's storage and names: ``mlp1_weight_EGD`` (E, 2F, D) with interleaved
+    gate/linear rows, ``mlp1_bias_EG`` (E, 2F), ``mlp2_weight_EDF`` (E, D, F), ``mlp2_bias_ED`` (E, D).
+    The kernels read the weights through ``.mT`` views, so nothing is copied.
+
+    ``forward(x_RD, num_tokens_per_expert_E)``: x (R, D) rows sorted by expert, counts (E,) of any
+    integer dtype on x's device -> (R, D). Rows past ``sum(counts)`` come out as zeros. Weights in
+    another dtype than x are cast to x's dtype for the GEMMs.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        *,
+        swiglu_alpha: float = 1.702,
+        swiglu_limit: float | None = 7.0,
+        swiglu_linear_offset: float = 1.0,
+        gate_up_layout: str = "interleaved",
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.num_experts, self.dim, self.hidden_dim = num_experts, dim, hidden_dim
+        self.swiglu = dict(
+            swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, swiglu_linear_offset=swiglu_linear_offset,
+            gate_up_layout=gate_up_layout,
+        )
+        self.mlp1_weight_EGD = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim, **kw))
+        self.mlp1_bias_EG = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, **kw))
+        self.mlp2_weight_EDF = nn.Parameter(torch.empty(num_experts, dim, hidden_dim, **kw))
+        self.mlp2_bias_ED = nn.Parameter(torch.empty(num_experts, dim, **kw))
+        self.reset_parameters()
+
+    def reset_parameters(self, init_std: float = 0.02) -> None:
+        for w in (self.mlp1_weight_EGD, self.mlp2_weight_EDF):
+            nn.init.trunc_normal_(w, mean=0.0, std=init_std)
+        for b in (self.mlp1_bias_EG, self.mlp2_bias_ED):
+            nn.init.trunc_normal_(b, mean=0.0, std=init_std)
+
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+        w1, w2 = self.mlp1_weight_EGD, self.mlp2_weight_EDF
+        if w1.dtype != x_RD.dtype:
+            w1, w2 = w1.to(x_RD.dtype), w2.to(x_RD.dtype)
+        h, aux = grouped_mm_swiglu(x_RD, w1.mT, offs, bias=self.mlp1_bias_EG, **self.swiglu)
+        return grouped_mm_downproj(
+            h, w2.mT, offs, bias=self.mlp2_bias_ED, aux_biased_acc=aux, **self.swiglu
+        )
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, dim={self.dim}, hidden_dim={self.hidden_dim}, {self.swiglu}"
+
+
+__all__ = ["GptOssExperts"]
