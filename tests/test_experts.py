@@ -1,0 +1,227 @@
+"""Fused expert MLP on CPU: the kernels under TRITON_INTERPRET=1 against float64 references.
+
+Errors of a bf16 chain are held to PyTorch's own: moekit's error against the float64 oracle must be
+within 2x that of the reference computed from the same bf16 inputs (``assert_within_baseline``).
+"""
+
+import pytest
+import torch
+
+from moekit import (
+    GptOssExperts,
+    grouped_mm_downproj,
+    grouped_mm_downproj_ref,
+    grouped_mm_swiglu,
+    grouped_mm_swiglu_ref,
+    swiglu,
+)
+from moekit.bench.baselines import TorchtitanGptOssExperts
+from moekit.epilogue import SwiGLU, swiglu_bwd_torch, swiglu_torch
+from moekit.experts import grouped_colsum
+from moekit.testing import assert_within_baseline, offs_from_counts
+
+BF16 = torch.bfloat16
+
+VARIANTS = {
+    "gpt-oss": dict(swiglu_alpha=1.702, swiglu_limit=7.0, swiglu_linear_offset=1.0, gate_up_layout="interleaved"),
+    "gpt-oss-halves": dict(swiglu_alpha=1.702, swiglu_limit=7.0, swiglu_linear_offset=1.0, gate_up_layout="halves"),
+    "no-limit": dict(swiglu_alpha=1.702, swiglu_limit=None, swiglu_linear_offset=1.0, gate_up_layout="interleaved"),
+    "plain-silu-halves": dict(swiglu_alpha=1.0, swiglu_limit=None, swiglu_linear_offset=0.0, gate_up_layout="halves"),
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# the epilogue math, at and around the clamp boundaries
+# ---------------------------------------------------------------------------------------------------
+def _boundary_pre(m, f):
+    """Pre-activations that sit exactly on, just inside and just outside +-limit, plus random ones."""
+    special = torch.tensor([7.0, -7.0, 6.96875, 7.03125, -6.96875, -7.03125, 0.0, 20.0, -20.0, 1.0])
+    pre = torch.randn(m, 2 * f) * 4
+    pre.view(-1)[: special.numel() * 7 : 7] = special  # scattered over gate and linear columns
+    return pre.to(BF16)  # all the special values are exact in bf16
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_swiglu_kernel_matches_twin(interpreter, variant):
+    kw = VARIANTS[variant]
+    spec = SwiGLU(kw["swiglu_alpha"], kw["swiglu_limit"], kw["swiglu_linear_offset"], kw["gate_up_layout"])
+    pre = _boundary_pre(24, 40).requires_grad_()
+    h = swiglu(pre, **kw)
+    ref = swiglu_torch(pre.detach().double(), spec)
+    assert_within_baseline(h, ref, swiglu_torch(pre.detach(), spec), what="swiglu")
+    dh = torch.randn(24, 40).to(BF16)
+    h.backward(dh)
+    dref = swiglu_bwd_torch(pre.detach().double(), dh.double(), spec)
+    assert_within_baseline(pre.grad, dref, swiglu_bwd_torch(pre.detach(), dh, spec), what="dswiglu")
+    if spec.limit is not None:  # clamp masks: zero gradient strictly outside, full gradient on the bound
+        g, lin = (pre.detach()[:, 0::2], pre.detach()[:, 1::2]) if not spec.halves else pre.detach().chunk(2, 1)
+        dg, dl = (pre.grad[:, 0::2], pre.grad[:, 1::2]) if not spec.halves else pre.grad.chunk(2, 1)
+        assert (dg[g > 7.0] == 0).all() and (dl[lin.abs() > 7.0] == 0).all()
+        assert (dg[g == 7.0] != 0).any() or not (g == 7.0).any()
+
+
+# ---------------------------------------------------------------------------------------------------
+# fused up- and down-projection
+# ---------------------------------------------------------------------------------------------------
+# (counts per expert, rows M, D, F) and why
+CASES = [
+    pytest.param([10, 0, 22], 40, 32, 40, id="empty-expert-tail-rows"),  # an empty expert; 8 rows past offs[-1]
+    pytest.param([0, 33, 0], 33, 24, 24, id="all-on-one"),  # every row on one expert; odd M
+    pytest.param([5, 7], 12, 136, 72, id="odd-d-f"),  # D, F not tile multiples
+    pytest.param([0, 0], 0, 16, 16, id="m-zero"),  # no rows
+]
+
+
+def _expert_inputs(counts, m, d, f, *, bias=True, w_views=True):
+    offs = offs_from_counts(counts)
+    e = len(counts)
+    x = torch.randn(m, d).to(BF16)
+    if m:
+        x[int(offs[-1]) :] = float("nan")  # rows no expert owns must not leak
+    if w_views:  # torchtitan storage, read through .mT views
+        w1 = (torch.randn(e, 2 * f, d) / d**0.5).to(BF16).mT
+        w2 = (torch.randn(e, d, f) / f**0.5).to(BF16).mT
+    else:
+        w1 = (torch.randn(e, d, 2 * f) / d**0.5).to(BF16)
+        w2 = (torch.randn(e, f, d) / f**0.5).to(BF16)
+    b1 = torch.randn(e, 2 * f).to(BF16) if bias else None
+    b2 = torch.randn(e, d).to(BF16) if bias else None
+    return x, w1, b1, w2, b2, offs
+
+
+def _leaf(t):
+    return None if t is None else t.detach().requires_grad_()
+
+
+def _run(fns, x, w1, b1, w2, b2, offs, kw):
+    swiglu_fn, down_fn = fns
+    h, aux = swiglu_fn(x, w1, offs, bias=b1, **kw)
+    out = down_fn(h, w2, offs, bias=b2, aux_biased_acc=aux, **kw)
+    return h, aux, out
+
+
+@pytest.mark.parametrize("counts, m, d, f", CASES)
+@pytest.mark.parametrize("variant", ["gpt-oss", "gpt-oss-halves"])
+def test_forward_and_backward(interpreter, tma_path, counts, m, d, f, variant):
+    kw = VARIANTS[variant]
+    x, w1, b1, w2, b2, offs = _expert_inputs(counts, m, d, f)
+    leaves = [_leaf(t) for t in (x, w1, b1, w2, b2)]
+    h, aux, out = _run((grouped_mm_swiglu, grouped_mm_downproj), *leaves, offs, kw)
+    dy = torch.randn_like(out)
+    out.backward(dy)
+
+    def reference(dtype):
+        ls = [_leaf(torch.nan_to_num(t).to(dtype)) for t in (x, w1, b1, w2, b2)]
+        r = _run((grouped_mm_swiglu_ref, grouped_mm_downproj_ref), *ls, offs, kw)
+        r[2].backward(dy.to(dtype))
+        return r, [t.grad for t in ls]
+
+    (h64, aux64, out64), grads64 = reference(torch.float64)
+    (h16, aux16, out16), grads16 = reference(BF16)
+    for name, got, oracle, base in (("aux", aux, aux64, aux16), ("h", h, h64, h16), ("out", out, out64, out16)):
+        assert_within_baseline(got, oracle, base, what=name)
+    tail = int(offs[-1]) if m else 0
+    assert (out[tail:] == 0).all() and (aux[tail:] == 0).all() and (h[tail:] == 0).all()
+    if m == 0:
+        return
+    for name, leaf, g64, g16 in zip(("dx", "dw1", "db1", "dw2", "db2"), leaves, grads64, grads16, strict=True):
+        assert_within_baseline(leaf.grad, g64, g16, what=name)
+    for g, c in enumerate(counts):
+        if c == 0:  # an empty expert's parameter gradients are exactly zero
+            assert not leaves[1].grad[g].any() and not leaves[2].grad[g].any() and not leaves[3].grad[g].any()
+
+
+@pytest.mark.parametrize("variant", ["no-limit", "plain-silu-halves"])
+def test_variants_without_bias_and_contiguous_weights(interpreter, variant):
+    kw = VARIANTS[variant]
+    x, w1, b1, w2, b2, offs = _expert_inputs([9, 0, 14], 23, 32, 24, bias=False, w_views=False)
+    x = torch.nan_to_num(x)
+    leaves = [_leaf(t) for t in (x, w1, w2)]
+    h, aux = grouped_mm_swiglu(leaves[0], leaves[1], offs, **kw)
+    out = grouped_mm_downproj(h, leaves[2], offs, aux_biased_acc=aux, **kw)
+    out.backward(torch.ones_like(out))
+    ls = [_leaf(t.double()) for t in (x, w1, w2)]
+    h64, aux64 = grouped_mm_swiglu_ref(ls[0], ls[1], offs, **kw)
+    grouped_mm_downproj_ref(h64, ls[2], offs, aux_biased_acc=aux64, **kw).sum().backward()
+    bs = [_leaf(t) for t in (x, w1, w2)]
+    h16, aux16 = grouped_mm_swiglu_ref(bs[0], bs[1], offs, **kw)
+    grouped_mm_downproj_ref(h16, bs[2], offs, aux_biased_acc=aux16, **kw).float().sum().backward()
+    assert_within_baseline(h, h64, h16, what="h")
+    for name, a, b, c in zip(("dx", "dw1", "dw2"), leaves, ls, bs, strict=True):
+        assert_within_baseline(a.grad, b.grad, c.grad, what=name)
+
+
+def test_gradient_through_h_raises(interpreter):
+    x, w1, b1, w2, b2, offs = _expert_inputs([8, 8], 16, 16, 16)
+    x = _leaf(x)
+    h, aux = grouped_mm_swiglu(x, w1, offs, bias=b1)
+    out = grouped_mm_downproj(h, w2, offs, bias=b2, aux_biased_acc=aux)
+    with pytest.raises(RuntimeError, match="aux_biased_acc"):
+        (out.float().sum() + h.float().sum()).backward()
+
+
+def test_downproj_without_aux_is_a_plain_gemm(interpreter):
+    """Without aux the gradient flows to h like any grouped GEMM + bias."""
+    offs = offs_from_counts([6, 0, 10])
+    h = torch.randn(20, 24).to(BF16).requires_grad_()
+    w = (torch.randn(3, 24, 32) / 5).to(BF16).requires_grad_()
+    b = torch.randn(3, 32).to(BF16).requires_grad_()
+    out = grouped_mm_downproj(h, w, offs, bias=b)
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    ls = [_leaf(t.double()) for t in (h, w, b)]
+    out64 = grouped_mm_downproj_ref(*ls[:2], offs, bias=ls[2])
+    out64.backward(dy.double())
+    bs = [_leaf(t) for t in (h, w, b)]
+    out16 = grouped_mm_downproj_ref(*bs[:2], offs, bias=bs[2])
+    out16.backward(dy)
+    assert_within_baseline(out, out64, out16, what="out")
+    for name, a, r, c in zip(("dh", "dw", "db"), (h, w, b), ls, bs, strict=True):
+        assert_within_baseline(a.grad, r.grad, c.grad, what=name)
+    assert not h.grad[16:].any()
+
+
+def test_colsum_exact_zero_for_empty_groups(interpreter):
+    offs = offs_from_counts([5, 0, 12, 0])
+    x = torch.randn(20, 40).to(BF16)
+    x[17:] = float("nan")
+    out = grouped_colsum(x, offs)
+    ref = torch.stack([x[:5].double().sum(0), torch.zeros(40, dtype=torch.float64), x[5:17].double().sum(0),
+                       torch.zeros(40, dtype=torch.float64)])
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert not out[1].any() and not out[3].any()
+
+
+def test_module_matches_torchtitan_baseline(interpreter):
+    """GptOssExperts against the plain-torch torchtitan-style experts on the same weights."""
+    torch.manual_seed(1)
+    ex = GptOssExperts(32, 24, 4, dtype=BF16)
+    base = TorchtitanGptOssExperts(ex)
+    counts = torch.tensor([7, 0, 13, 4])
+    x = torch.randn(24, 32).to(BF16) * 3  # large enough to hit the clamps
+    out = ex(x, counts)
+    ref = base(x, counts)
+    ex32 = GptOssExperts(32, 24, 4, dtype=torch.float32)  # torch._grouped_mm has no float64
+    ex32.load_state_dict({k: v.float() for k, v in ex.state_dict().items()})
+    oracle = TorchtitanGptOssExperts(ex32)(x.float(), counts)
+    assert_within_baseline(out, oracle, ref, what="module")
+    assert set(ex.state_dict()) == {"mlp1_weight_EGD", "mlp1_bias_EG", "mlp2_weight_EDF", "mlp2_bias_ED"}
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        pytest.param(lambda x, w, o: grouped_mm_swiglu(x.float(), w, o), "bfloat16", id="dtype"),
+        pytest.param(lambda x, w, o: grouped_mm_swiglu(x[:, :8], w, o), "K mismatch", id="k-mismatch"),
+        pytest.param(lambda x, w, o: grouped_mm_swiglu(x, w, o.long()), "int32", id="offs-dtype"),
+        pytest.param(lambda x, w, o: grouped_mm_swiglu(x, w, o, bias=torch.zeros(2, 3).to(BF16)), "bias", id="bias"),
+        pytest.param(lambda x, w, o: grouped_mm_swiglu(x, w, o, gate_up_layout="split"), "layout", id="layout"),
+        pytest.param(lambda x, w, o: grouped_mm_swiglu(x, w[..., :31], o), "2F", id="odd-2f"),
+        pytest.param(lambda x, w, o: grouped_mm_downproj(x, w[:, :, :16].mT, o, aux_biased_acc=x), "aux", id="aux"),
+    ],
+)
+def test_validation(call, match):
+    x = torch.randn(16, 16).to(BF16)
+    w = torch.randn(2, 16, 32).to(BF16)
+    with pytest.raises((TypeError, ValueError), match=match):
+        call(x, w, offs_from_counts([8, 8]))
