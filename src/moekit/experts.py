@@ -56,11 +56,12 @@ def _weights(w: torch.Tensor, cfg_block_n: int, block_k: int):
     return TensorDescriptor(w, [e, n, k], [w.stride(0), w.stride(2), 1], [1, cfg_block_n, block_k]), True
 
 
-def _launch_common(x, w, out_bytes, n_gemm):
+def _launch_common(x, w, out_bytes, n_gemm, epilogue):
     m, k = x.shape
     e = w.shape[0]
     cfg = config.grouped_mm_config(
-        m // e, n_gemm, k, e, ragged_k=False, tma=config.use_tma(x.device), out_bytes=out_bytes, device=x.device
+        m // e, n_gemm, k, e, ragged_k=False, tma=config.use_tma(x.device), out_bytes=out_bytes, device=x.device,
+        epilogue=epilogue,
     )
     sms = config.num_sms(x.device)
     return m, k, e, cfg, sms
@@ -86,20 +87,20 @@ def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig
     h = config.empty((m, f), dtype=x.dtype, device=x.device)
     if m == 0 or f == 0:
         return h, aux
-    _, _, _, auto, sms = _launch_common(x, w, x.element_size(), two_f)
+    _, _, _, auto, sms = _launch_common(x, w, x.element_size(), two_f, "swiglu")
     cfg = cfg or auto
     aux_a, aux_b = _pair_views(aux, spec)
     tma = d > 0 and _tma_views_ok(x, w, (aux_a, aux_b, h))
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     bf = bn // 2
-    if tma:
-        aux_block = [bm, bf] if spec.halves else [bm, bn]
+    if tma:  # the epilogue stores in two halves: quarter-width h boxes (see the kernel)
+        aux_block = [bm, bf // 2] if spec.halves else [bm, bn // 2]
         args = (
             TensorDescriptor(x, [m, d], [x.stride(0), 1], [bm, bk]),
             _weights(w, bf if spec.halves else bn, bk)[0],
             _row_bounded(aux_a, aux_block),
             _row_bounded(aux_b, aux_block),
-            _row_bounded(h, [bm, bf]),
+            _row_bounded(h, [bm, bf // 2]),
         )
     else:
         args = (x, w, aux_a, aux_b, h)
@@ -131,7 +132,7 @@ def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, cfg: config.TileConfig 
     h = config.empty((m, f), dtype=aux.dtype, device=grad.device)
     if m == 0 or f == 0:
         return daux, h
-    _, _, _, auto, sms = _launch_common(grad, b, aux.element_size(), f)
+    _, _, _, auto, sms = _launch_common(grad, b, aux.element_size(), f, "dswiglu")
     cfg = cfg or auto
     aux_a, aux_b = _pair_views(aux, spec)
     daux_a, daux_b = _pair_views(daux, spec)

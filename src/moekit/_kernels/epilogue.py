@@ -57,8 +57,12 @@ def _pair_offsets(rows, cols, F, stride_m, HALVES: tl.constexpr):
     """Element offsets of the gate and linear halves of SwiGLU columns ``cols`` in a (M, 2F) tensor."""
     base = rows[:, None].to(tl.int64) * stride_m
     if HALVES:
-        return base + cols[None, :], base + F + cols[None, :]
-    return base + 2 * cols[None, :], base + 2 * cols[None, :] + 1
+        off_g = base + cols[None, :]
+        off_l = off_g + F
+    else:
+        off_g = base + 2 * cols[None, :]
+        off_l = off_g + 1
+    return off_g, off_l
 
 
 @triton.jit

@@ -60,6 +60,29 @@ def _mainloop_pair(
 
 
 @triton.jit
+def _swiglu_epilogue(
+    x_g, x_l, aux_a, aux_b, h, real, end, row, j, F, stride_aux_m, stride_h_m,
+    BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, USE_TMA: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    ALPHA: tl.constexpr, LIMIT: tl.constexpr, OFFSET: tl.constexpr, HALVES: tl.constexpr,
+):
+    """Store aux and h for h columns [j, j + BLOCK_F) of one row tile.
+
+    HALVES: x_g, x_l are the gate and linear pre-activations [BLOCK_M, BLOCK_F]. Interleaved: x_g is
+    the [BLOCK_M, 2 * BLOCK_F] interleaved pre-activation and x_l is unused. h is computed from the
+    rounded aux, exactly what the backward recomputes."""
+    if HALVES:
+        _store_rows(aux_a, stride_aux_m, end, row, j, F, x_g, BLOCK_M, BLOCK_F, USE_TMA)
+        _store_rows(aux_b, stride_aux_m, end, row, j, F, x_l, BLOCK_M, BLOCK_F, USE_TMA)
+        gate = x_g.to(OUT_DTYPE).to(tl.float32)
+        lin = x_l.to(OUT_DTYPE).to(tl.float32)
+    else:
+        _store_rows(aux_a, stride_aux_m, end, row, 2 * j, 2 * F, x_g, BLOCK_M, 2 * BLOCK_F, USE_TMA)
+        gate, lin = split_pairs(x_g.to(OUT_DTYPE).to(tl.float32), BLOCK_M, BLOCK_F)
+    out = tl.where(real, swiglu_apply(gate, lin, ALPHA, LIMIT, OFFSET), 0.0)
+    _store_rows(h, stride_h_m, end, row, j, F, out, BLOCK_M, BLOCK_F, USE_TMA)
+
+
+@triton.jit
 def _grouped_mm_swiglu_kernel(
     a, b, aux_a, aux_b, h, offs_ptr, bias,  # a (M, D); b (E, D, 2F); aux (M, 2F) out; h (M, F) out; bias (E, 2F)
     M, F, K, E,
@@ -72,8 +95,10 @@ def _grouped_mm_swiglu_kernel(
     OUT_DTYPE: tl.constexpr,
     ALPHA: tl.constexpr, LIMIT: tl.constexpr, OFFSET: tl.constexpr, HALVES: tl.constexpr,
 ):
-    # A tile covers BLOCK_N pre-activation columns, i.e. BLOCK_F = BLOCK_N // 2 columns of h.
+    # A tile covers BLOCK_N pre-activation columns, i.e. BLOCK_F = BLOCK_N // 2 columns of h. The
+    # epilogue runs in two halves of BLOCK_F // 2 h columns each, to bound registers and store buffers.
     BLOCK_F: tl.constexpr = BLOCK_N // 2
+    QUARTER: tl.constexpr = BLOCK_F // 2
     tiles_n = tl.cdiv(F, BLOCK_F)
     k_tiles = tl.cdiv(K, BLOCK_K)
     e, starts, ends, tiles, tiles_end, total = _group_table(offs_ptr, M, E, tiles_n, BLOCK_M, BLOCK_E)
@@ -92,22 +117,20 @@ def _grouped_mm_swiglu_kernel(
                                           BLOCK_M, BLOCK_F, BLOCK_K, B_TRANS, USE_TMA, DOT_F32)
             acc_g = _add_bias(acc_g, bias, stride_bias_e, gb, j, tl.where(real, F, 0), BLOCK_F)
             acc_l = _add_bias(acc_l, bias, stride_bias_e, gb, F + j, tl.where(real, 2 * F, 0), BLOCK_F)
-            _store_rows(aux_a, stride_aux_m, end, row, j, F, acc_g, BLOCK_M, BLOCK_F, USE_TMA)
-            _store_rows(aux_b, stride_aux_m, end, row, j, F, acc_l, BLOCK_M, BLOCK_F, USE_TMA)
-            # h from the rounded aux, exactly what the backward will recompute
-            gate = acc_g.to(OUT_DTYPE).to(tl.float32)
-            lin = acc_l.to(OUT_DTYPE).to(tl.float32)
+            g_lo, g_hi = _halves(acc_g, BLOCK_M, BLOCK_F)
+            l_lo, l_hi = _halves(acc_l, BLOCK_M, BLOCK_F)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc = _mainloop(a, b, acc, g, row, 2 * j, k_iters, M, 2 * F, K,
                             stride_am, stride_ak, stride_be, stride_bk, stride_bn,
                             BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS, USE_TMA, DOT_F32)
             acc = _add_bias(acc, bias, stride_bias_e, gb, 2 * j, tl.where(real, 2 * F, 0), BLOCK_N)
-            _store_rows(aux_a, stride_aux_m, end, row, 2 * j, 2 * F, acc, BLOCK_M, BLOCK_N, USE_TMA)
-            pre = acc.to(OUT_DTYPE).to(tl.float32)
-            gate, lin = split_pairs(pre, BLOCK_M, BLOCK_F)
-        out = swiglu_apply(gate, lin, ALPHA, LIMIT, OFFSET)
-        _store_rows(h, stride_h_m, end, row, j, F, out, BLOCK_M, BLOCK_F, USE_TMA)
+            g_lo, g_hi = _halves(acc, BLOCK_M, BLOCK_N)  # each holds QUARTER whole (gate, linear) pairs
+            l_lo, l_hi = g_lo, g_hi
+        _swiglu_epilogue(g_lo, l_lo, aux_a, aux_b, h, real, end, row, j, F, stride_aux_m, stride_h_m,
+                         BLOCK_M, QUARTER, USE_TMA, OUT_DTYPE, ALPHA, LIMIT, OFFSET, HALVES)
+        _swiglu_epilogue(g_hi, l_hi, aux_a, aux_b, h, real, end, row, j + QUARTER, F, stride_aux_m, stride_h_m,
+                         BLOCK_M, QUARTER, USE_TMA, OUT_DTYPE, ALPHA, LIMIT, OFFSET, HALVES)
 
 
 @triton.jit

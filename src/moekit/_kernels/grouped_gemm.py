@@ -151,9 +151,12 @@ def _store_rows(dst, stride_m, end, row, col, n_end, x, BLOCK_R: tl.constexpr, B
 def _load_rows(src, stride_m, end, row, col, n_end, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                USE_TMA: tl.constexpr):
     """Read a [BLOCK_R, BLOCK_C] tile at (row, col); rows >= end and cols >= n_end read 0."""
+    # (an explicit else: Triton compiles the code after a constexpr-guarded return as well)
     if USE_TMA:
-        return _bounded_load(src, end, row, col, BLOCK_R, BLOCK_C)
-    return _load_2d(src, 0, row, col, end, n_end, stride_m, 1, BLOCK_R, BLOCK_C)
+        x = _bounded_load(src, end, row, col, BLOCK_R, BLOCK_C)
+    else:
+        x = _load_2d(src, 0, row, col, end, n_end, stride_m, 1, BLOCK_R, BLOCK_C)
+    return x
 
 
 @triton.jit
