@@ -1,8 +1,9 @@
 """``python -m moekit bench | info``.
 
-bench: on a GPU, the grouped-GEMM table against torch._grouped_mm and a dense matmul for the BENCH.md
-shapes; on a CPU, the same table for a small configuration through the pure-PyTorch reference. Prints
-the table and writes it, with a PNG plot, to ``--out`` (default bench/out).
+bench: on a GPU, the fused expert MLP (GptOssExperts) against the torchtitan-style experts at the
+gpt-oss shapes, then the grouped-GEMM table against torch._grouped_mm and a dense matmul for all the
+BENCH.md shapes; on a CPU, both tables for a small configuration through the pure-PyTorch
+reference. Prints the tables and writes them, with a PNG plot, to ``--out`` (default bench/out).
 """
 
 from __future__ import annotations
@@ -15,17 +16,21 @@ import sys
 import torch
 
 
-def _progress():
+def _progress(desc: str):
     try:
         from tqdm import tqdm
 
-        return lambda it: tqdm(it, desc="grouped_mm", unit="problem", file=sys.stderr)
+        return lambda it: tqdm(it, desc=desc, unit="problem", file=sys.stderr)
     except ImportError:
         return None
 
 
+EXPERT_SHAPES = ("gpt-oss-20b", "gpt-oss-120b")  # the shapes of the fused expert-MLP criteria
+
+
 def _bench(args) -> None:
     from .bench import CPU_SHAPES, SHAPES
+    from .bench import experts as bench_experts
     from .bench import grouped_mm as bench_grouped_mm
     from .config import uses_triton
 
@@ -39,12 +44,21 @@ def _bench(args) -> None:
     if args.tokens:
         shapes = [dataclasses.replace(s, tokens=args.tokens) for s in shapes]
     path = "Triton kernels" if uses_triton(torch.device("cuda" if on_gpu else "cpu")) else "pure-PyTorch reference"
-    print(f"moekit bench: grouped_mm through the {path}", file=sys.stderr)
     os.makedirs(args.out, exist_ok=True)
-    md = os.path.join(args.out, "grouped_mm.md")
-    png = os.path.join(args.out, "grouped_mm.png")
-    print(bench_grouped_mm.main(shapes, out_md=md, out_png=png, progress=_progress()))
-    print(f"\nwrote {md}" + (f" and {png}" if os.path.exists(png) else ""), file=sys.stderr)
+    written = []
+    if args.only in (None, "experts"):
+        print(f"moekit bench: expert MLP through the {path}", file=sys.stderr)
+        expert_shapes = [s for s in shapes if s.name in EXPERT_SHAPES or not on_gpu] if not args.shape else shapes
+        md = os.path.join(args.out, "experts.md")
+        print(bench_experts.main(expert_shapes, out_md=md, progress=_progress("experts")), "\n")
+        written.append(md)
+    if args.only in (None, "grouped_mm"):
+        print(f"moekit bench: grouped_mm through the {path}", file=sys.stderr)
+        md = os.path.join(args.out, "grouped_mm.md")
+        png = os.path.join(args.out, "grouped_mm.png")
+        print(bench_grouped_mm.main(shapes, out_md=md, out_png=png, progress=_progress("grouped_mm")))
+        written += [md] + ([png] if os.path.exists(png) else [])
+    print(f"\nwrote {', '.join(written)}", file=sys.stderr)
 
 
 def _info(_args) -> None:
@@ -66,7 +80,8 @@ def main(argv=None) -> None:
     bench = sub.add_parser("bench", help="time moekit against its baselines and print a table")
     bench.add_argument("--shape", action="append", help="a BENCH.md shape name (repeatable); default: all")
     bench.add_argument("--tokens", type=int, help="tokens per rank T (default: the shape's, 24576)")
-    bench.add_argument("--out", default=os.path.join("bench", "out"), help="folder for the table and plot")
+    bench.add_argument("--out", default=os.path.join("bench", "out"), help="folder for the tables and plot")
+    bench.add_argument("--only", choices=["experts", "grouped_mm"], help="run one of the two tables")
     bench.set_defaults(fn=_bench)
     info = sub.add_parser("info", help="versions and the device path moekit will take")
     info.set_defaults(fn=_info)

@@ -1,0 +1,160 @@
+"""Fused expert MLP on a CUDA GPU: realistic shapes against float64, clamp-heavy inputs, both paths,
+opcheck, torch.compile, CUDA graphs and no host sync."""
+
+import pytest
+import torch
+
+from moekit import GptOssExperts, grouped_mm_downproj, grouped_mm_downproj_ref, grouped_mm_swiglu, grouped_mm_swiglu_ref
+from moekit.bench.baselines import TorchtitanGptOssExperts
+from moekit.experts import _colsum_op, _downproj_op, _dswiglu_op, _swiglu_act_op, _swiglu_op
+from moekit.testing import assert_within_baseline, offs_from_counts, routed_counts
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+BF16 = torch.bfloat16
+
+
+def _inputs(counts, rows, d, f, *, x_scale=1.0):
+    offs = offs_from_counts(counts, device=DEV)
+    e = len(counts)
+    x = torch.randn(rows, d, device=DEV).to(BF16) * x_scale
+    x[int(sum(counts)) :] = float("nan")
+    w1 = (torch.randn(e, 2 * f, d, device=DEV) / d**0.5).to(BF16).mT
+    w2 = (torch.randn(e, d, f, device=DEV) / f**0.5).to(BF16).mT
+    b1 = torch.randn(e, 2 * f, device=DEV).to(BF16)
+    b2 = torch.randn(e, d, device=DEV).to(BF16)
+    return x, w1, b1, w2, b2, offs
+
+
+def _leaf(t):
+    return t.detach().requires_grad_()
+
+
+def _chain(fns, x, w1, b1, w2, b2, offs, layout):
+    h, aux = fns[0](x, w1, offs, bias=b1, gate_up_layout=layout)
+    return h, aux, fns[1](h, w2, offs, bias=b2, aux_biased_acc=aux, gate_up_layout=layout)
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "halves"])
+@pytest.mark.parametrize("x_scale", [1.0, 6.0], ids=["normal", "clamp-heavy"])
+def test_forward_backward_against_float64(tma_path, layout, x_scale):
+    counts = routed_counts(2048, 8, 4, skew=3.0).tolist()
+    counts[1] = 0
+    rows = sum(counts) + 40  # rows past offs[-1]
+    x, w1, b1, w2, b2, offs = _inputs(counts, rows, 1024, 1000, x_scale=x_scale)
+    leaves = [_leaf(t) for t in (x, w1, b1, w2, b2)]
+    h, aux, out = _chain((grouped_mm_swiglu, grouped_mm_downproj), *leaves, offs, layout)
+    dy = torch.randn_like(out)
+    out.backward(dy)
+
+    def reference(dtype):
+        ls = [_leaf(torch.nan_to_num(t).to(dtype)) for t in (x, w1, b1, w2, b2)]
+        r = _chain((grouped_mm_swiglu_ref, grouped_mm_downproj_ref), *ls, offs, layout)
+        r[2].backward(dy.to(dtype))
+        return r, [t.grad for t in ls]
+
+    r64, g64 = reference(torch.float64)
+    r16, g16 = reference(BF16)
+    for name, got, oracle, base in zip(("h", "aux", "out"), (h, aux, out), r64, r16, strict=True):
+        assert_within_baseline(got, oracle, base, what=name)
+    for name, leaf, a, b in zip(("dx", "dw1", "db1", "dw2", "db2"), leaves, g64, g16, strict=True):
+        assert_within_baseline(leaf.grad, a, b, what=name)
+    tail = int(offs[-1])
+    assert not out[tail:].any() and not leaves[0].grad[tail:].any()
+    assert not leaves[1].grad[1].any() and not leaves[3].grad[1].any()
+
+
+def _module_step(ex, x, counts, dy):
+    out = ex(x, counts)
+    out.backward(dy)
+    return out
+
+
+def _module_case():
+    torch.manual_seed(3)
+    ex = GptOssExperts(512, 384, 8, device=DEV, dtype=BF16)
+    counts = routed_counts(1024, 8, 4, device=DEV)
+    x = torch.randn(4096, 512, device=DEV, dtype=BF16, requires_grad=True)
+    return ex, x, counts, torch.randn(4096, 512, device=DEV, dtype=BF16)
+
+
+def test_module_matches_torchtitan_baseline_and_saves_less():
+    ex, x, counts, dy = _module_case()
+    base = TorchtitanGptOssExperts(ex)
+    torch.cuda.synchronize()
+    m0 = torch.cuda.memory_allocated()
+    out = ex(x, counts)
+    saved_moekit = torch.cuda.memory_allocated() - m0 - out.numel() * out.element_size()
+    m1 = torch.cuda.memory_allocated()
+    ref = base(x, counts)
+    saved_base = torch.cuda.memory_allocated() - m1 - ref.numel() * ref.element_size()
+    ex32 = GptOssExperts(512, 384, 8, device=DEV, dtype=torch.float32)
+    ex32.load_state_dict({k: v.float() for k, v in ex.state_dict().items()})
+    oracle = TorchtitanGptOssExperts(ex32)(x.detach().float(), counts)
+    assert_within_baseline(out, oracle, ref, what="module")
+    assert saved_moekit <= 0.5 * saved_base, (saved_moekit, saved_base)
+
+
+def test_no_host_sync_and_cuda_graph():
+    ex, x, counts, dy = _module_case()
+    _module_step(ex, x, counts, dy)  # compile the kernels first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _module_step(ex, x, counts, dy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+    static_x = x.detach().clone().requires_grad_()
+    static_counts = counts.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for p in ex.parameters():
+            p.grad = None
+        _module_step(ex, static_x, static_counts, dy)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    for p in ex.parameters():
+        p.grad = None
+    static_x.grad = None
+    with torch.cuda.graph(graph):
+        out_graph = _module_step(ex, static_x, static_counts, dy)
+    new_counts = routed_counts(1024, 8, 4, skew=3.0, device=DEV)
+    static_counts.copy_(new_counts)
+    graph.replay()
+    grads_graph = [p.grad.clone() for p in ex.parameters()]
+    for p in ex.parameters():
+        p.grad = None
+    x2 = static_x.detach().clone().requires_grad_()
+    out_eager = _module_step(ex, x2, new_counts, dy)
+    torch.testing.assert_close(out_graph, out_eager, rtol=0, atol=0)
+    for g_graph, p in zip(grads_graph, ex.parameters(), strict=True):
+        torch.testing.assert_close(g_graph, p.grad, rtol=0, atol=0)
+
+
+def test_compile_fullgraph():
+    ex, x, counts, dy = _module_case()
+    compiled = torch.compile(ex, fullgraph=True)
+    out = _module_step(compiled, x, counts, dy)
+    grads = [p.grad.clone() for p in ex.parameters()] + [x.grad.clone()]
+    for p in ex.parameters():
+        p.grad = None
+    x.grad = None
+    ref = _module_step(ex, x, counts, dy)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    for a, b in zip(grads, [p.grad for p in ex.parameters()] + [x.grad], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_opcheck():
+    x, w1, b1, w2, b2, offs = _inputs([300, 0, 700], 1024, 256, 192)
+    x = torch.nan_to_num(x)
+    spec = (1.702, 7.0, 1.0, "interleaved")
+    torch.library.opcheck(_swiglu_op, (_leaf(x), _leaf(w1), offs, _leaf(b1), *spec))
+    h, aux = _swiglu_op(x, w1, offs, b1, *spec)
+    torch.library.opcheck(_downproj_op, (h.detach(), _leaf(w2), offs, _leaf(b2), _leaf(aux), *spec))
+    dy = torch.randn(1024, 256, device=DEV, dtype=BF16)
+    torch.library.opcheck(_dswiglu_op, (dy, w2, offs, aux, *spec))
+    torch.library.opcheck(_colsum_op, (dy, offs))
+    torch.library.opcheck(_swiglu_act_op, (_leaf(aux), *spec))
