@@ -60,7 +60,6 @@ def _expert_signature(kernel, cfg: TileConfig, halves: bool):
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     half = bn // 2
     pair = f"tensordesc<bf16[1,1,{bm},{half if halves else bn}]>"
-    aux_full = f"tensordesc<bf16[1,1,{bm},{bn if halves else 2 * bn}]>"  # the dgrad loads aux once per tile
     if kernel is _grouped_mm_swiglu_kernel:
         b_block = half if halves else bn
         up_pair = f"tensordesc<bf16[1,1,{bm},{half // 2 if halves else half}]>"
@@ -69,7 +68,7 @@ def _expert_signature(kernel, cfg: TileConfig, halves: bool):
                  "bias": "*bf16"}
     else:
         descs = {"a": f"tensordesc<bf16[{bm},{bk}]>", "b": f"tensordesc<bf16[1,{bk},{bn}]>",
-                 "aux_a": aux_full, "aux_b": aux_full, "daux_a": pair, "daux_b": pair,
+                 "aux_a": pair, "aux_b": pair, "daux_a": pair, "daux_b": pair,
                  "h": f"tensordesc<bf16[1,1,{bm},{half}]>"}
     const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, BLOCK_E=64, USE_TMA=True,
                  DOT_F32=False, FLATTEN=cfg.flatten, B_TRANS=kernel is _grouped_mm_swiglu_kernel,

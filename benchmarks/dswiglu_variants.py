@@ -1,6 +1,6 @@
-"""Development probe: the down-projection dgrad with the dSwiGLU epilogue, four ways to read aux,
-against the plain dgrad GEMM and the unfused alternative (plain dgrad + elementwise SwiGLU backward).
-Prints ms per call at gpt-oss-20b (T=24576, top-4, E=32)."""
+"""Development probe: tile configs of the down-projection dgrad with the dSwiGLU epilogue (one or two
+programs per SM), against the plain dgrad GEMM, plus the standalone SwiGLU kernels. Prints ms per
+call at gpt-oss-20b (T=24576, top-4, E=32)."""
 
 import torch
 
@@ -11,6 +11,14 @@ from moekit.experts import grouped_mm_dswiglu, swiglu_bwd, swiglu_fwd
 from moekit.grouped_gemm import grouped_mm_fwd
 from moekit.testing import offs_from_counts, routed_counts
 
+T = TileConfig
+CONFIGS = {
+    "128x128 w8 s4": T(128, 128, 64, group_m=16, num_warps=8, num_stages=4, flatten=True),
+    "64x128 w4 s3 x2/SM": T(64, 128, 64, group_m=16, num_warps=4, num_stages=3, flatten=True, programs_per_sm=2),
+    "64x128 w4 s2 x2/SM": T(64, 128, 64, group_m=16, num_warps=4, num_stages=2, flatten=True, programs_per_sm=2),
+    "64x128 w4 s3 x2/SM noflat": T(64, 128, 64, group_m=16, num_warps=4, num_stages=3, programs_per_sm=2),
+}
+
 
 def main():
     t, e, d, f = 24576, 32, 2880, 2880
@@ -19,27 +27,27 @@ def main():
     dy = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(e, d, f, device="cuda", dtype=torch.bfloat16).mT / 50  # (E, F, D) view of (E, D, F)
     aux = torch.randn(m, 2 * f, device="cuda", dtype=torch.bfloat16) * 3
-    spec = SwiGLU()
-    c128 = TileConfig(128, 128, 64, group_m=16, num_warps=8, num_stages=4, flatten=True)
+    dh = torch.randn(m, f, device="cuda", dtype=torch.bfloat16)
     print(environment())
     rows = {
-        "plain dgrad 128x128 (no epilogue)": lambda: grouped_mm_fwd(dy, w.mT, offs, cfg=c128),
         "plain dgrad heuristic (128x256)": lambda: grouped_mm_fwd(dy, w.mT, offs),
-        "unfused: dgrad + swiglu_bwd + swiglu": lambda: (
-            swiglu_bwd(aux, grouped_mm_fwd(dy, w.mT, offs), spec), swiglu_fwd(aux, spec)),
+        "plain dgrad 64x128 x2/SM": lambda: grouped_mm_fwd(dy, w.mT, offs, cfg=CONFIGS["64x128 w4 s3 x2/SM"]),
+        "standalone swiglu fwd (1.7 GB)": lambda: swiglu_fwd(aux, SwiGLU()),
+        "standalone swiglu bwd (2.8 GB)": lambda: swiglu_bwd(aux, dh, SwiGLU()),
+        "standalone swiglu fwd halves": lambda: swiglu_fwd(aux, SwiGLU(layout="halves")),
     }
-    for pre in (False, True):
-        for aux_tma in (True, False):
-            rows[f"fused prefetch={pre} aux_tma={aux_tma}"] = (
-                lambda pre=pre, aux_tma=aux_tma: grouped_mm_dswiglu(
-                    dy, w, offs, aux, spec, AUX_PREFETCH=pre, AUX_TMA=aux_tma))
-    ref = grouped_mm_dswiglu(dy, w, offs, aux, spec, AUX_PREFETCH=False, AUX_TMA=True)
+    for layout in ("interleaved", "halves"):
+        for name, cfg in CONFIGS.items():
+            rows[f"fused {layout} {name}"] = (
+                lambda cfg=cfg, layout=layout: grouped_mm_dswiglu(dy, w, offs, aux, SwiGLU(layout=layout), cfg=cfg))
+    ref = {lay: grouped_mm_dswiglu(dy, w, offs, aux, SwiGLU(layout=lay)) for lay in ("interleaved", "halves")}
     for name, fn in rows.items():
         ms = bench_ms(fn)
         same = ""
         if name.startswith("fused"):
             out = fn()
-            same = f"  same as baseline variant: {all(torch.equal(a, b) for a, b in zip(out, ref, strict=True))}"
+            lay = name.split()[1]
+            same = f"  bitwise equal to default: {all(torch.equal(a, b) for a, b in zip(out, ref[lay], strict=True))}"
         print(f"{name:45s} {ms:7.3f} ms{same}", flush=True)
 
 

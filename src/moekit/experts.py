@@ -119,7 +119,7 @@ def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig
     return h, aux
 
 
-def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, cfg: config.TileConfig | None = None, **variant):
+def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, cfg: config.TileConfig | None = None):
     """Down-projection dgrad with the SwiGLU backward fused in its epilogue.
 
     grad (M, D) = dOut, w (E, F, D) the down weight, aux (M, 2F) -> (d_aux (M, 2F), h (M, F)), where
@@ -137,17 +137,15 @@ def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, cfg: config.TileConfig 
     aux_a, aux_b = _pair_views(aux, spec)
     daux_a, daux_b = _pair_views(daux, spec)
     tma = d > 0 and _tma_views_ok(grad, b, (aux_a, aux_b, daux_a, daux_b, h))
-    aux_tma = tma and variant.get("AUX_TMA", True)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     half = bn // 2
     if tma:
         pair_block = [bm, half] if spec.halves else [bm, bn]
-        aux_block = [bm, bn] if spec.halves else [bm, 2 * bn]  # aux is read once per tile
         args = (
             TensorDescriptor(grad, [m, d], [grad.stride(0), 1], [bm, bk]),
             _weights(b, bn, bk)[0],
-            _row_bounded(aux_a, aux_block) if aux_tma else aux_a,
-            _row_bounded(aux_b, aux_block) if aux_tma else aux_b,
+            _row_bounded(aux_a, pair_block),
+            _row_bounded(aux_b, pair_block),
             _row_bounded(daux_a, pair_block),
             _row_bounded(daux_b, pair_block),
             _row_bounded(h, [bm, half]),
@@ -163,7 +161,6 @@ def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, cfg: config.TileConfig 
         aux.stride(0), daux.stride(0), h.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(e + 1),
         B_TRANS=b.stride(2) != 1, USE_TMA=tma, DOT_F32=config.is_interpreting(), FLATTEN=cfg.flatten,
-        AUX_PREFETCH=variant.get("AUX_PREFETCH", True), AUX_TMA=aux_tma,
         **spec.constexprs(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -185,7 +182,7 @@ def grouped_colsum(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 
 
 def _elementwise_grid(m, f):
-    block_r, block_f = (16, 16) if config.is_interpreting() else (32, 128)
+    block_r, block_f = (16, 16) if config.is_interpreting() else (16, 128)
     return (triton.cdiv(m, block_r), triton.cdiv(f, block_f)), dict(BLOCK_R=block_r, BLOCK_F=block_f)
 
 

@@ -53,16 +53,38 @@ def join_pairs(g, lin, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
 
 
 @triton.jit
-def _pair_offsets(rows, cols, F, stride_m, HALVES: tl.constexpr):
-    """Element offsets of the gate and linear halves of SwiGLU columns ``cols`` in a (M, 2F) tensor."""
-    base = rows[:, None].to(tl.int64) * stride_m
+def _load_pairs(pre, rows, j, F, stride_m, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, HALVES: tl.constexpr):
+    """Gate and linear values (fp32, [BLOCK_R, BLOCK_F]) for SwiGLU columns [j, j + BLOCK_F) of a
+    (M, 2F) tensor, read as contiguous blocks (interleaved pairs are split in registers)."""
+    base = pre + rows[:, None].to(tl.int64) * stride_m
+    row_ok = rows[:, None] >= 0
     if HALVES:
-        off_g = base + cols[None, :]
-        off_l = off_g + F
+        cols = j + tl.arange(0, BLOCK_F)
+        mask = row_ok & (cols[None, :] < F)
+        gate = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        lin = tl.load(base + F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     else:
-        off_g = base + 2 * cols[None, :]
-        off_l = off_g + 1
-    return off_g, off_l
+        cols = 2 * j + tl.arange(0, 2 * BLOCK_F)
+        x = tl.load(base + cols[None, :], mask=row_ok & (cols[None, :] < 2 * F), other=0.0)
+        gate, lin = split_pairs(x.to(tl.float32), BLOCK_R, BLOCK_F)
+    return gate, lin
+
+
+@triton.jit
+def _store_pairs(dst, rows, j, F, stride_m, gate, lin, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
+                 HALVES: tl.constexpr):
+    """Inverse of ``_load_pairs`` (rows are pre-clamped by the caller's mask through ``rows``)."""
+    base = dst + rows[:, None].to(tl.int64) * stride_m
+    row_ok = rows[:, None] >= 0
+    if HALVES:
+        cols = j + tl.arange(0, BLOCK_F)
+        mask = row_ok & (cols[None, :] < F)
+        tl.store(base + cols[None, :], gate.to(dst.dtype.element_ty), mask=mask)
+        tl.store(base + F + cols[None, :], lin.to(dst.dtype.element_ty), mask=mask)
+    else:
+        cols = 2 * j + tl.arange(0, 2 * BLOCK_F)
+        both = join_pairs(gate, lin, BLOCK_R, BLOCK_F)
+        tl.store(base + cols[None, :], both.to(dst.dtype.element_ty), mask=row_ok & (cols[None, :] < 2 * F))
 
 
 @triton.jit
@@ -72,14 +94,13 @@ def _swiglu_kernel(
     BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-    mask = (rows[:, None] < M) & (cols[None, :] < F)
-    off_g, off_l = _pair_offsets(rows, cols, F, stride_pre_m, HALVES)
-    g = tl.load(pre + off_g, mask=mask, other=0.0).to(tl.float32)
-    lin = tl.load(pre + off_l, mask=mask, other=0.0).to(tl.float32)
-    out = swiglu_apply(g, lin, ALPHA, LIMIT, OFFSET)
+    rows = tl.where(rows < M, rows, -1)  # -1: masked out by _load_pairs / the store below
+    j = tl.program_id(1) * BLOCK_F
+    gate, lin = _load_pairs(pre, rows, j, F, stride_pre_m, BLOCK_R, BLOCK_F, HALVES)
+    out = swiglu_apply(gate, lin, ALPHA, LIMIT, OFFSET)
+    cols = j + tl.arange(0, BLOCK_F)
     ptrs = h + rows[:, None].to(tl.int64) * stride_h_m + cols[None, :]
-    tl.store(ptrs, out.to(h.dtype.element_ty), mask=mask)
+    tl.store(ptrs, out.to(h.dtype.element_ty), mask=(rows[:, None] >= 0) & (cols[None, :] < F))
 
 
 @triton.jit
@@ -89,13 +110,11 @@ def _swiglu_bwd_kernel(
     BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-    mask = (rows[:, None] < M) & (cols[None, :] < F)
-    off_g, off_l = _pair_offsets(rows, cols, F, stride_pre_m, HALVES)
-    g = tl.load(pre + off_g, mask=mask, other=0.0).to(tl.float32)
-    lin = tl.load(pre + off_l, mask=mask, other=0.0).to(tl.float32)
+    rows = tl.where(rows < M, rows, -1)
+    j = tl.program_id(1) * BLOCK_F
+    gate, lin = _load_pairs(pre, rows, j, F, stride_pre_m, BLOCK_R, BLOCK_F, HALVES)
+    cols = j + tl.arange(0, BLOCK_F)
+    mask = (rows[:, None] >= 0) & (cols[None, :] < F)
     grad = tl.load(dh + rows[:, None].to(tl.int64) * stride_dh_m + cols[None, :], mask=mask, other=0.0)
-    dg, dl, _ = swiglu_apply_bwd(g, lin, grad.to(tl.float32), ALPHA, LIMIT, OFFSET)
-    out_g, out_l = _pair_offsets(rows, cols, F, stride_dpre_m, HALVES)
-    tl.store(dpre + out_g, dg.to(dpre.dtype.element_ty), mask=mask)
-    tl.store(dpre + out_l, dl.to(dpre.dtype.element_ty), mask=mask)
+    dg, dl, _ = swiglu_apply_bwd(gate, lin, grad.to(tl.float32), ALPHA, LIMIT, OFFSET)
+    _store_pairs(dpre, rows, j, F, stride_dpre_m, dg, dl, BLOCK_R, BLOCK_F, HALVES)

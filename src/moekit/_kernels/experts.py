@@ -135,12 +135,19 @@ def _grouped_mm_swiglu_kernel(
 
 @triton.jit
 def _dswiglu_epilogue(
-    dh, gate, lin, daux_a, daux_b, h, real, end, row, j, F, stride_daux_m, stride_h_m,
+    dh, aux_a, aux_b, daux_a, daux_b, h, real, end, row, j, F,
+    stride_aux_m, stride_daux_m, stride_h_m,
     BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, USE_TMA: tl.constexpr,
     ALPHA: tl.constexpr, LIMIT: tl.constexpr, OFFSET: tl.constexpr, HALVES: tl.constexpr,
 ):
-    """Store d_aux and h for h columns [j, j + BLOCK_F) of one row tile, given dH and aux there."""
-    dg, dl, out = swiglu_apply_bwd(gate.to(tl.float32), lin.to(tl.float32), dh, ALPHA, LIMIT, OFFSET)
+    """d_aux and h for h columns [j, j + BLOCK_F) of one row tile, given dH there (fp32)."""
+    if HALVES:
+        gate = _load_rows(aux_a, stride_aux_m, end, row, j, F, BLOCK_M, BLOCK_F, USE_TMA).to(tl.float32)
+        lin = _load_rows(aux_b, stride_aux_m, end, row, j, F, BLOCK_M, BLOCK_F, USE_TMA).to(tl.float32)
+    else:
+        pre = _load_rows(aux_a, stride_aux_m, end, row, 2 * j, 2 * F, BLOCK_M, 2 * BLOCK_F, USE_TMA)
+        gate, lin = split_pairs(pre.to(tl.float32), BLOCK_M, BLOCK_F)
+    dg, dl, out = swiglu_apply_bwd(gate, lin, dh, ALPHA, LIMIT, OFFSET)
     # rows past offs[-1] (the tail group) get exact zeros whatever aux holds there
     dg = tl.where(real, dg, 0.0)
     dl = tl.where(real, dl, 0.0)
@@ -165,9 +172,7 @@ def _grouped_mm_dswiglu_kernel(
     GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
     B_TRANS: tl.constexpr, USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, FLATTEN: tl.constexpr,
     ALPHA: tl.constexpr, LIMIT: tl.constexpr, OFFSET: tl.constexpr, HALVES: tl.constexpr,
-    AUX_PREFETCH: tl.constexpr = True, AUX_TMA: tl.constexpr = True,
 ):
-    HALF: tl.constexpr = BLOCK_N // 2
     tiles_n = tl.cdiv(F, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     e, starts, ends, tiles, tiles_end, total = _group_table(offs_ptr, M, E, tiles_n, BLOCK_M, BLOCK_E)
@@ -176,37 +181,19 @@ def _grouped_mm_dswiglu_kernel(
         g, start, end, row, pid_n = _locate(tile, e, starts, ends, tiles, tiles_end, tiles_n, BLOCK_M, GROUP_M)
         j = pid_n * BLOCK_N
         real = g < E
-        # aux does not depend on the GEMM: load it before the K loop, so the copy is done by the time
-        # the epilogue needs it.
-        if AUX_PREFETCH:
-            if HALVES:
-                gate = _load_rows(aux_a, stride_aux_m, end, row, j, F, BLOCK_M, BLOCK_N, AUX_TMA)
-                lin = _load_rows(aux_b, stride_aux_m, end, row, j, F, BLOCK_M, BLOCK_N, AUX_TMA)
-            else:
-                pre = _load_rows(aux_a, stride_aux_m, end, row, 2 * j, 2 * F, BLOCK_M, 2 * BLOCK_N, AUX_TMA)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc = _mainloop(a, b, acc, g, row, j, tl.where(real, k_tiles, 0), M, F, K,
                         stride_am, stride_ak, stride_be, stride_bk, stride_bn,
                         BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS, USE_TMA, DOT_F32)
-        if not AUX_PREFETCH:
-            if HALVES:
-                gate = _load_rows(aux_a, stride_aux_m, end, row, j, F, BLOCK_M, BLOCK_N, AUX_TMA)
-                lin = _load_rows(aux_b, stride_aux_m, end, row, j, F, BLOCK_M, BLOCK_N, AUX_TMA)
-            else:
-                pre = _load_rows(aux_a, stride_aux_m, end, row, 2 * j, 2 * F, BLOCK_M, 2 * BLOCK_N, AUX_TMA)
-        # The epilogue runs on the two halves of the tile one after the other to bound registers.
-        dh_lo, dh_hi = _halves(acc, BLOCK_M, BLOCK_N)
-        if HALVES:
-            g_lo, g_hi = _halves(gate, BLOCK_M, BLOCK_N)
-            l_lo, l_hi = _halves(lin, BLOCK_M, BLOCK_N)
-        else:
-            p_lo, p_hi = _halves(pre, BLOCK_M, 2 * BLOCK_N)
-            g_lo, l_lo = split_pairs(p_lo, BLOCK_M, HALF)
-            g_hi, l_hi = split_pairs(p_hi, BLOCK_M, HALF)
-        _dswiglu_epilogue(dh_lo, g_lo, l_lo, daux_a, daux_b, h, real, end, row, j, F, stride_daux_m, stride_h_m,
-                          BLOCK_M, HALF, USE_TMA, ALPHA, LIMIT, OFFSET, HALVES)
-        _dswiglu_epilogue(dh_hi, g_hi, l_hi, daux_a, daux_b, h, real, end, row, j + HALF, F, stride_daux_m,
-                          stride_h_m, BLOCK_M, HALF, USE_TMA, ALPHA, LIMIT, OFFSET, HALVES)
+        # Two halves of the tile, one after the other, keep the aux tile and the SwiGLU temporaries
+        # within the register budget next to the accumulator.
+        left, right = _halves(acc, BLOCK_M, BLOCK_N)
+        _dswiglu_epilogue(left, aux_a, aux_b, daux_a, daux_b, h, real, end, row, j, F,
+                          stride_aux_m, stride_daux_m, stride_h_m, BLOCK_M, BLOCK_N // 2, USE_TMA,
+                          ALPHA, LIMIT, OFFSET, HALVES)
+        _dswiglu_epilogue(right, aux_a, aux_b, daux_a, daux_b, h, real, end, row, j + BLOCK_N // 2, F,
+                          stride_aux_m, stride_daux_m, stride_h_m, BLOCK_M, BLOCK_N // 2, USE_TMA,
+                          ALPHA, LIMIT, OFFSET, HALVES)
 
 
 @triton.jit
