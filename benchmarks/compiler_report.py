@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moekit._kernels.experts import _grouped_mm_dswiglu_kernel, _grouped_mm_swiglu_kernel
+from moekit._kernels.experts import _grouped_mm_swiglu_kernel
 from moekit._kernels.grouped_gemm import _grouped_mm_ragged_k_kernel, _grouped_mm_ragged_m_kernel
 from moekit.config import TileConfig
 from moekit.epilogue import SwiGLU
@@ -56,27 +56,18 @@ def _signature(kernel, cfg: TileConfig, tma: bool, b_trans: bool):
 
 
 def _expert_signature(kernel, cfg: TileConfig, halves: bool):
-    """TMA-path signature of the fused expert kernels (B as a (E, N, K) view, torchtitan storage)."""
+    """TMA-path signature of the fused up-projection (B as a (E, N, K) view, torchtitan storage)."""
+    import triton.language as tl
+
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     half = bn // 2
-    pair = f"tensordesc<bf16[1,1,{bm},{half if halves else bn}]>"
-    if kernel is _grouped_mm_swiglu_kernel:
-        b_block = half if halves else bn
-        up_pair = f"tensordesc<bf16[1,1,{bm},{half // 2 if halves else half}]>"
-        descs = {"a": f"tensordesc<bf16[{bm},{bk}]>", "b": f"tensordesc<bf16[1,{b_block},{bk}]>",
-                 "aux_a": up_pair, "aux_b": up_pair, "h": f"tensordesc<bf16[1,1,{bm},{half // 2}]>",
-                 "bias": "*bf16"}
-    else:
-        descs = {"a": f"tensordesc<bf16[{bm},{bk}]>", "b": f"tensordesc<bf16[1,{bk},{bn}]>",
-                 "aux_a": pair, "aux_b": pair, "daux_a": pair, "daux_b": pair,
-                 "h": f"tensordesc<bf16[1,1,{bm},{half}]>"}
+    b_block = half if halves else bn
+    up_pair = f"tensordesc<bf16[1,1,{bm},{half // 2 if halves else half}]>"  # stored in two halves
+    descs = {"a": f"tensordesc<bf16[{bm},{bk}]>", "b": f"tensordesc<bf16[1,{b_block},{bk}]>",
+             "aux_a": up_pair, "aux_b": up_pair, "h": f"tensordesc<bf16[1,1,{bm},{half // 2}]>", "bias": "*bf16"}
     const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, BLOCK_E=64, USE_TMA=True,
-                 DOT_F32=False, FLATTEN=cfg.flatten, B_TRANS=kernel is _grouped_mm_swiglu_kernel,
+                 DOT_F32=False, FLATTEN=cfg.flatten, B_TRANS=True, OUT_DTYPE=tl.bfloat16,
                  **SwiGLU(layout="halves" if halves else "interleaved").constexprs())
-    if kernel is _grouped_mm_swiglu_kernel:
-        import triton.language as tl
-
-        const["OUT_DTYPE"] = tl.bfloat16
     sig = {n: descs.get(n) or ("*i32" if n == "offs_ptr" else "constexpr" if n in const else "i32")
            for n in kernel.arg_names}
     return sig, const
@@ -106,7 +97,7 @@ def main():
     print("| kernel | config | path | regs | local B | smem KB | HGMMA | LDL/STL |")
     print("|---|---|---|---|---|---|---|---|")
     for label, cfg in list(CONFIGS.items())[:1]:
-        for kernel in (_grouped_mm_swiglu_kernel, _grouped_mm_dswiglu_kernel):
+        for kernel in (_grouped_mm_swiglu_kernel,):
             for halves in (False, True):
                 name = kernel.__name__.replace("_grouped_mm_", "")
                 layout = "halves" if halves else "interleaved"

@@ -129,14 +129,10 @@ def grouped_mm_config(
     ``out_bytes`` the output element size. ``tma`` says which load path the launch takes: the pointer
     path keeps its tiles smaller, since a 128x256 tile there needs 255 registers and spills
     (benchmarks/compiler_report.py). Choices come from benchmarks/sweep_grouped_mm.py on an H100.
-    ``epilogue="dswiglu"`` (the down-projection dgrad) holds an aux tile and the SwiGLU derivative
-    next to the accumulator: at 128x256 it spills and needs 240 KB of shared memory, at 128x128 it
-    fits in 181 registers (255 for the halves layout) and 176 KB.
+    ``epilogue`` names the fused epilogue ("none", "swiglu"); both use the same tiles today.
     """
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
-    if epilogue == "dswiglu":
-        return TileConfig(block_m=128, block_n=128, block_k=64, group_m=16, num_warps=8, num_stages=4, flatten=True)
     if not tma:
         cfg = TileConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
     elif not ragged_k:

@@ -3,9 +3,6 @@
 * ``_grouped_mm_swiglu_kernel`` (up-projection forward): pre = x @ w_up[g] + b_up[g], rounded to the
   output dtype and stored as ``aux`` (M, 2F); h = SwiGLU(aux) (M, F) is computed from that rounded
   ``aux`` so that the backward's recompute reproduces it bit for bit.
-* ``_grouped_mm_dswiglu_kernel`` (down-projection dgrad): dH = dOut @ w_down[g]^T, and its epilogue
-  reads ``aux`` and writes d_aux = dSwiGLU(aux) * dH (M, 2F) plus the recomputed h (M, F) that the
-  weight gradient needs, so h never has to be saved.
 * ``_grouped_colsum_kernel``: per-group column sums of a row-ragged matrix (the bias gradients),
   deterministic: one program per (column block, group), no atomics.
 
@@ -17,14 +14,13 @@ so hardware bounds checks stop at F on each.
 import triton
 import triton.language as tl
 
-from .epilogue import join_pairs, split_pairs, swiglu_apply, swiglu_apply_bwd
+from .epilogue import split_pairs, swiglu_apply
 from .grouped_gemm import (
     _add_bias,
     _dot,
     _group_table,
     _halves,
     _load_2d,
-    _load_rows,
     _locate,
     _mainloop,
     _store_rows,
@@ -131,69 +127,6 @@ def _grouped_mm_swiglu_kernel(
                          BLOCK_M, QUARTER, USE_TMA, OUT_DTYPE, ALPHA, LIMIT, OFFSET, HALVES)
         _swiglu_epilogue(g_hi, l_hi, aux_a, aux_b, h, real, end, row, j + QUARTER, F, stride_aux_m, stride_h_m,
                          BLOCK_M, QUARTER, USE_TMA, OUT_DTYPE, ALPHA, LIMIT, OFFSET, HALVES)
-
-
-@triton.jit
-def _dswiglu_epilogue(
-    dh, aux_a, aux_b, daux_a, daux_b, h, real, end, row, j, F,
-    stride_aux_m, stride_daux_m, stride_h_m,
-    BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, USE_TMA: tl.constexpr,
-    ALPHA: tl.constexpr, LIMIT: tl.constexpr, OFFSET: tl.constexpr, HALVES: tl.constexpr,
-):
-    """d_aux and h for h columns [j, j + BLOCK_F) of one row tile, given dH there (fp32)."""
-    if HALVES:
-        gate = _load_rows(aux_a, stride_aux_m, end, row, j, F, BLOCK_M, BLOCK_F, USE_TMA).to(tl.float32)
-        lin = _load_rows(aux_b, stride_aux_m, end, row, j, F, BLOCK_M, BLOCK_F, USE_TMA).to(tl.float32)
-    else:
-        pre = _load_rows(aux_a, stride_aux_m, end, row, 2 * j, 2 * F, BLOCK_M, 2 * BLOCK_F, USE_TMA)
-        gate, lin = split_pairs(pre.to(tl.float32), BLOCK_M, BLOCK_F)
-    dg, dl, out = swiglu_apply_bwd(gate, lin, dh, ALPHA, LIMIT, OFFSET)
-    # rows past offs[-1] (the tail group) get exact zeros whatever aux holds there
-    dg = tl.where(real, dg, 0.0)
-    dl = tl.where(real, dl, 0.0)
-    out = tl.where(real, out, 0.0)
-    if HALVES:
-        _store_rows(daux_a, stride_daux_m, end, row, j, F, dg, BLOCK_M, BLOCK_F, USE_TMA)
-        _store_rows(daux_b, stride_daux_m, end, row, j, F, dl, BLOCK_M, BLOCK_F, USE_TMA)
-    else:
-        both = join_pairs(dg, dl, BLOCK_M, BLOCK_F)
-        _store_rows(daux_a, stride_daux_m, end, row, 2 * j, 2 * F, both, BLOCK_M, 2 * BLOCK_F, USE_TMA)
-    _store_rows(h, stride_h_m, end, row, j, F, out, BLOCK_M, BLOCK_F, USE_TMA)
-
-
-@triton.jit
-def _grouped_mm_dswiglu_kernel(
-    a, b, aux_a, aux_b, daux_a, daux_b, h, offs_ptr,  # a = dOut (M, D); b (E, D, F); aux, daux (M, 2F); h (M, F)
-    M, F, K, E,
-    stride_am, stride_ak,
-    stride_be, stride_bk, stride_bn,
-    stride_aux_m, stride_daux_m, stride_h_m,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
-    B_TRANS: tl.constexpr, USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, FLATTEN: tl.constexpr,
-    ALPHA: tl.constexpr, LIMIT: tl.constexpr, OFFSET: tl.constexpr, HALVES: tl.constexpr,
-):
-    tiles_n = tl.cdiv(F, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    e, starts, ends, tiles, tiles_end, total = _group_table(offs_ptr, M, E, tiles_n, BLOCK_M, BLOCK_E)
-
-    for tile in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=FLATTEN):
-        g, start, end, row, pid_n = _locate(tile, e, starts, ends, tiles, tiles_end, tiles_n, BLOCK_M, GROUP_M)
-        j = pid_n * BLOCK_N
-        real = g < E
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc = _mainloop(a, b, acc, g, row, j, tl.where(real, k_tiles, 0), M, F, K,
-                        stride_am, stride_ak, stride_be, stride_bk, stride_bn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS, USE_TMA, DOT_F32)
-        # Two halves of the tile, one after the other, keep the aux tile and the SwiGLU temporaries
-        # within the register budget next to the accumulator.
-        left, right = _halves(acc, BLOCK_M, BLOCK_N)
-        _dswiglu_epilogue(left, aux_a, aux_b, daux_a, daux_b, h, real, end, row, j, F,
-                          stride_aux_m, stride_daux_m, stride_h_m, BLOCK_M, BLOCK_N // 2, USE_TMA,
-                          ALPHA, LIMIT, OFFSET, HALVES)
-        _dswiglu_epilogue(right, aux_a, aux_b, daux_a, daux_b, h, real, end, row, j + BLOCK_N // 2, F,
-                          stride_aux_m, stride_daux_m, stride_h_m, BLOCK_M, BLOCK_N // 2, USE_TMA,
-                          ALPHA, LIMIT, OFFSET, HALVES)
 
 
 @triton.jit
