@@ -14,23 +14,31 @@ from .config import TileConfig, set_debug
 from .epilogue import SwiGLU
 from .experts import grouped_mm_downproj, grouped_mm_swiglu, swiglu
 from .grouped_gemm import grouped_mm
-from .layers import GptOssExperts
+from .layers import GptOssExperts, MoE
 from .reference import grouped_mm_downproj_ref, grouped_mm_ref, grouped_mm_swiglu_ref, swiglu_ref
+from .routing import Routing, combine, combine_ref, gather_rows, route_metadata_ref, topk_router
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GptOssExperts",
+    "MoE",
+    "Routing",
     "SwiGLU",
     "TileConfig",
+    "combine",
+    "combine_ref",
+    "gather_rows",
     "grouped_mm",
     "grouped_mm_downproj",
     "grouped_mm_downproj_ref",
     "grouped_mm_ref",
     "grouped_mm_swiglu",
     "grouped_mm_swiglu_ref",
+    "route_metadata_ref",
     "set_debug",
     "swiglu",
     "swiglu_ref",
+    "topk_router",
     "__version__",
 ]

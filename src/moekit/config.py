@@ -60,9 +60,11 @@ def set_poison(enabled: bool) -> None:
 
 
 def empty(shape, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Allocate a kernel output (NaN-filled when ``set_poison(True)``)."""
+    """Allocate a kernel output (poisoned when ``set_poison(True)``: NaN, or -1 for integer outputs)."""
     out = torch.empty(shape, dtype=dtype, device=device)
-    return out.fill_(float("nan")) if _poison else out
+    if not _poison:
+        return out
+    return out.fill_(float("nan") if dtype.is_floating_point else -1)
 
 
 def is_interpreting() -> bool:

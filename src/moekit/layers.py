@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from .experts import grouped_mm_downproj, grouped_mm_swiglu
+from .routing import combine, gather_rows, topk_router
 
 
 class GptOssExperts(nn.Module):
@@ -66,4 +67,58 @@ class GptOssExperts(nn.Module):
         return f"experts={self.num_experts}, dim={self.dim}, hidden_dim={self.hidden_dim}, {self.swiglu}"
 
 
-__all__ = ["GptOssExperts"]
+class MoE(nn.Module):
+    """A gpt-oss MoE block, configured like torchtitan's: router gate ``Linear(D, E, bias=True)`` with
+    fp32 logits, softmax (or sigmoid) scores, top-k with renormalization, :class:`GptOssExperts`, and
+    a weighted combine in fp32. No host sync anywhere.
+
+    ``forward(x)``: x (..., D) -> (..., D). With ``aux_loss=True`` the switch-style load-balancing
+    loss of the last forward is in ``self.aux_loss``. Aux-loss-free balancing: ``tokens_per_expert``
+    accumulates routed counts on the device, and ``update_expert_bias(rate)`` nudges ``expert_bias``
+    (used for the choice only) toward balance and resets the counts.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        score_func: str = "softmax",
+        renormalize: bool = True,
+        aux_loss: bool = False,
+        device=None,
+        dtype=None,
+        **swiglu,
+    ):
+        super().__init__()
+        self.top_k, self.score_func, self.renormalize, self.use_aux_loss = top_k, score_func, renormalize, aux_loss
+        self.router = nn.Linear(dim, num_experts, bias=True, device=device, dtype=torch.float32)
+        self.experts = GptOssExperts(dim, hidden_dim, num_experts, device=device, dtype=dtype, **swiglu)
+        self.register_buffer("expert_bias", torch.zeros(num_experts, device=device), persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, device=device), persistent=False)
+        self.aux_loss = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        r = topk_router(
+            x2, self.router.weight, self.router.bias, top_k=self.top_k, score_func=self.score_func,
+            renormalize=self.renormalize, expert_bias=self.expert_bias, aux_loss=self.use_aux_loss,
+        )
+        with torch.no_grad():
+            self.tokens_per_expert += r.counts
+        self.aux_loss = r.aux_loss
+        ys = self.experts(gather_rows(x2, r), r.counts)
+        return combine(ys, r.weights, r.row_of).reshape(shape)
+
+    @torch.no_grad()
+    def update_expert_bias(self, rate: float = 1e-3) -> None:
+        """Aux-loss-free balancing step: raise the bias of under-loaded experts, lower the others."""
+        load = self.tokens_per_expert
+        self.expert_bias += rate * torch.sign(load.mean() - load)
+        self.tokens_per_expert.zero_()
+
+
+__all__ = ["GptOssExperts", "MoE"]

@@ -32,3 +32,33 @@ class TorchtitanGptOssExperts(nn.Module):
         out = gate * torch.sigmoid(alpha * gate) * (lin + 1)
         out = torch._grouped_mm(out, w2.transpose(-2, -1), offs)
         return out + torch.repeat_interleave(ex.mlp2_bias_ED.to(out.dtype), counts, dim=0, output_size=rows)
+
+
+class TorchtitanMoE(nn.Module):
+    """The torchtitan-style gpt-oss MoE block of BENCH.md in plain torch ops, sharing a
+    :class:`moekit.MoE`'s parameters: fp32 router, softmax, top-k, renormalize; stable argsort
+    dispatch with ``x[token]``; the experts above; fp32 weighting and ``scatter_add`` combine."""
+
+    def __init__(self, moe: nn.Module):
+        super().__init__()
+        self.moe = moe
+        self.experts = TorchtitanGptOssExperts(moe.experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        moe = self.moe
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        e = moe.router.weight.shape[0]
+        logits = torch.nn.functional.linear(x.float(), moe.router.weight.float(), moe.router.bias.float())
+        scores = logits.softmax(-1)
+        top_scores, ids = (scores + moe.expert_bias).topk(moe.top_k, dim=-1)
+        top_scores = scores.gather(1, ids)
+        top_scores = top_scores / top_scores.sum(-1, keepdim=True)
+        order = torch.argsort(ids.view(-1), stable=True)
+        token = order // moe.top_k
+        counts = torch.histc(ids.view(-1).float(), bins=e, min=0, max=e).to(torch.int64)  # no sync
+        ys = self.experts(x[token], counts)
+        ys = ys.float() * top_scores.view(-1)[order][:, None]
+        out = torch.zeros(x.shape[0], x.shape[1], device=x.device, dtype=torch.float32)
+        out = out.scatter_add(0, token[:, None].expand(-1, x.shape[1]), ys)
+        return out.to(x.dtype).reshape(shape)

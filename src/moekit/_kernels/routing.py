@@ -1,0 +1,90 @@
+"""Routing metadata and the weighted combine, all deterministic (no atomics).
+
+* ``_route_histogram_kernel``: per block of routed entries, how many go to each expert.
+* ``_route_scatter_kernel``: each entry's row in the expert-sorted order, i.e. the position a stable
+  argsort of the flattened expert ids would give it, and the token of every sorted row.
+* ``_combine_kernel``: out[t] = sum_k w[t, k] * y[row_of[t, k]] in fp32 (gather-reduce).
+* ``_combine_bwd_kernel``: dy[row_of[t, k]] = w[t, k] * dout[t], and dw[t, k] = <dout[t], y[row_of[t, k]]>.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _one_hot(ids, BLOCK_E: tl.constexpr):
+    return (ids[:, None] == tl.arange(0, BLOCK_E)[None, :]).to(tl.int32)
+
+
+@triton.jit
+def _route_histogram_kernel(
+    experts, block_counts, R, E,  # experts (R,) int32 flattened (T, K) ids; block_counts (num_blocks, E)
+    BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    b = tl.program_id(0)
+    idx = b * BLOCK + tl.arange(0, BLOCK)
+    ids = tl.load(experts + idx, mask=idx < R, other=-1)
+    counts = tl.sum(_one_hot(ids, BLOCK_E), 0)
+    cols = tl.arange(0, BLOCK_E)
+    tl.store(block_counts + b * E + cols, counts, mask=cols < E)
+
+
+@triton.jit
+def _route_scatter_kernel(
+    experts, block_base, row_of, token_idx, R, E, K,  # block_base (num_blocks, E): first sorted row
+    BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,       # of each expert's entries in this block
+):
+    b = tl.program_id(0)
+    idx = b * BLOCK + tl.arange(0, BLOCK)
+    valid = idx < R
+    ids = tl.load(experts + idx, mask=valid, other=-1)
+    hot = _one_hot(ids, BLOCK_E)
+    rank = tl.sum(tl.cumsum(hot, 0) * hot, 1) - 1  # entries of the same expert before this one, in order
+    cols = tl.arange(0, BLOCK_E)
+    base = tl.load(block_base + b * E + cols, mask=cols < E, other=0)
+    row = tl.sum(hot * base[None, :], 1) + rank
+    tl.store(row_of + idx, row, mask=valid)
+    tl.store(token_idx + row, idx // K, mask=valid)
+
+
+@triton.jit
+def _combine_kernel(
+    y, w, row_of, out, T, D, stride_y, stride_out,  # y (R, D); w (T, K) fp32 or None; row_of (T, K); out (T, D)
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = (tok[:, None] < T) & (cols[None, :] < D)
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for k in tl.static_range(K):  # a fixed order over k: deterministic
+        rows = tl.load(row_of + tok * K + k, mask=tok < T, other=0)
+        vals = tl.load(y + rows[:, None].to(tl.int64) * stride_y + cols[None, :], mask=mask, other=0.0)
+        if w is not None:
+            vals = vals.to(tl.float32) * tl.load(w + tok * K + k, mask=tok < T, other=0.0)[:, None]
+        acc += vals.to(tl.float32)
+    tl.store(out + tok[:, None].to(tl.int64) * stride_out + cols[None, :], acc.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _combine_bwd_kernel(
+    dout, y, w, row_of, dy, dw, T, D, stride_dout, stride_y, stride_dy,  # dw (T, K) fp32 or None
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = tok < T
+    for k in tl.static_range(K):
+        rows = tl.load(row_of + tok * K + k, mask=tok_ok, other=0)
+        scale = tl.load(w + tok * K + k, mask=tok_ok, other=0.0)
+        dot = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            mask = tok_ok[:, None] & (cols[None, :] < D)
+            g = tl.load(dout + tok[:, None].to(tl.int64) * stride_dout + cols[None, :], mask=mask, other=0.0)
+            g = g.to(tl.float32)
+            tl.store(dy + rows[:, None].to(tl.int64) * stride_dy + cols[None, :],
+                     (g * scale[:, None]).to(dy.dtype.element_ty), mask=mask)
+            if dw is not None:
+                yv = tl.load(y + rows[:, None].to(tl.int64) * stride_y + cols[None, :], mask=mask, other=0.0)
+                dot += tl.sum(g * yv.to(tl.float32), 1)
+        if dw is not None:
+            tl.store(dw + tok * K + k, dot, mask=tok_ok)

@@ -1,0 +1,278 @@
+"""Router top-k and the device-side routing metadata; the weighted combine and the row gather.
+
+Legend: T tokens, K experts per token, E experts, R = T*K routed rows, D model dim.
+
+``topk_router`` computes fp32 gate logits, softmax or sigmoid scores and the top-k (all plain torch
+ops, differentiable, no sync), then two Triton kernels turn the (T, K) expert ids into the
+expert-sorted order: per-expert ``counts`` and ``offs``, ``token_idx`` (R,) (the token of each sorted
+row) and ``row_of`` (T, K) (the sorted row of each token's k-th choice). The order is exactly that of
+a stable argsort of the flattened ids. ``combine`` sums each token's K expert rows weighted by its
+scores, in fp32, as a gather-reduce: deterministic forward and backward, no atomics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from . import config
+from ._kernels.routing import _combine_bwd_kernel, _combine_kernel, _route_histogram_kernel, _route_scatter_kernel
+
+_BLOCK = 128  # routed entries per program of the metadata kernels
+
+
+@dataclass
+class Routing:
+    """The result of :func:`topk_router`.
+
+    ``weights`` (T, K) fp32 scores of the chosen experts (renormalized if asked), differentiable;
+    ``experts`` (T, K) int32; ``counts`` / ``offs`` (E,) int32 rows per expert and cumulative row
+    ends; ``token_idx`` (R,) int32; ``row_of`` (T, K) int32; ``aux_loss``: a scalar or None.
+    """
+
+    weights: torch.Tensor
+    experts: torch.Tensor
+    counts: torch.Tensor
+    offs: torch.Tensor
+    token_idx: torch.Tensor
+    row_of: torch.Tensor
+    aux_loss: torch.Tensor | None = None
+
+
+# --------------------------------------------------------------------------------------------------
+# references
+# --------------------------------------------------------------------------------------------------
+
+
+def route_metadata_ref(experts: torch.Tensor, num_experts: int):
+    """(counts, offs, token_idx, row_of) from (T, K) expert ids, by a stable argsort."""
+    flat = experts.reshape(-1).long()
+    k = experts.shape[1] if experts.dim() == 2 else 1
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).to(torch.int32)
+    row_of = torch.empty_like(order)
+    row_of[order] = torch.arange(order.numel(), device=order.device)
+    offs = counts.cumsum(0).to(torch.int32)
+    return counts, offs, (order // k).to(torch.int32), row_of.view_as(experts).to(torch.int32)
+
+
+def combine_ref(y: torch.Tensor, weights: torch.Tensor | None, row_of: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_k weights[t, k] * y[row_of[t, k]] in fp32 (weights=None: plain sum), in y.dtype."""
+    gathered = y[row_of.long()].float()  # (T, K, D)
+    if weights is not None:
+        gathered = gathered * weights.float()[..., None]
+    return gathered.sum(1).to(y.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# launchers
+# --------------------------------------------------------------------------------------------------
+
+
+def route_metadata(experts: torch.Tensor, num_experts: int):
+    """Triton twin of ``route_metadata_ref``: two kernels and a few device-side cumsums, no sync."""
+    t, k = experts.shape
+    r = t * k
+    dev = experts.device
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+    token_idx = config.empty((r,), dtype=torch.int32, device=dev)
+    row_of = config.empty((t, k), dtype=torch.int32, device=dev)
+    if r == 0:
+        return counts, counts.clone(), token_idx, row_of
+    flat = experts.reshape(-1).to(torch.int32).contiguous()
+    blocks = triton.cdiv(r, _BLOCK)
+    block_e = triton.next_power_of_2(num_experts)
+    block_counts = config.empty((blocks, num_experts), dtype=torch.int32, device=dev)
+    _route_histogram_kernel[(blocks,)](flat, block_counts, r, num_experts, BLOCK=_BLOCK, BLOCK_E=block_e)
+    counts = block_counts.sum(0, dtype=torch.int32)
+    offs = counts.cumsum(0, dtype=torch.int32)
+    block_base = ((offs - counts)[None, :] + block_counts.cumsum(0, dtype=torch.int32) - block_counts).contiguous()
+    _route_scatter_kernel[(blocks,)](
+        flat, block_base, row_of, token_idx, r, num_experts, k, BLOCK=_BLOCK, BLOCK_E=block_e
+    )
+    return counts, offs, token_idx, row_of
+
+
+def _combine_blocks():
+    return (4, 32) if config.is_interpreting() else (8, 256)
+
+
+def combine_fwd(y, weights, row_of):
+    t, k = row_of.shape
+    d = y.shape[1]
+    out = config.empty((t, d), dtype=y.dtype, device=y.device)
+    if out.numel():
+        bt, bd = _combine_blocks()
+        _combine_kernel[(triton.cdiv(t, bt), triton.cdiv(d, bd))](
+            y, weights, row_of, out, t, d, y.stride(0), out.stride(0), K=k, BLOCK_T=bt, BLOCK_D=bd
+        )
+    return out
+
+
+def combine_bwd(dout, y, weights, row_of, need_weights: bool):
+    t, k = row_of.shape
+    d = y.shape[1]
+    dy = config.empty(y.shape, dtype=y.dtype, device=y.device)
+    dw = config.empty((t, k), dtype=torch.float32, device=y.device) if need_weights else None
+    if t:
+        bt, bd = _combine_blocks()
+        _combine_bwd_kernel[(triton.cdiv(t, bt),)](
+            dout, y, weights, row_of, dy, dw, t, d, dout.stride(0), y.stride(0), dy.stride(0),
+            K=k, BLOCK_T=bt, BLOCK_D=bd,
+        )
+    return dy, dw
+
+
+# --------------------------------------------------------------------------------------------------
+# custom ops
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("moekit::route_metadata", mutates_args=())
+def _route_op(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return route_metadata(experts, num_experts)
+
+
+@_route_op.register_fake
+def _(experts, num_experts):
+    i32 = dict(dtype=torch.int32)
+    return (experts.new_empty(num_experts, **i32), experts.new_empty(num_experts, **i32),
+            experts.new_empty(experts.numel(), **i32), experts.new_empty(experts.shape, **i32))
+
+
+@torch.library.custom_op("moekit::combine", mutates_args=())
+def _combine_op(y: torch.Tensor, weights: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+    return combine_fwd(y, weights, row_of)
+
+
+@_combine_op.register_fake
+def _(y, weights, row_of):
+    return y.new_empty((row_of.shape[0], y.shape[1]))
+
+
+@torch.library.custom_op("moekit::combine_bwd", mutates_args=())
+def _combine_bwd_op(
+    dout: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, row_of: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return combine_bwd(dout, y, weights, row_of, True)
+
+
+@_combine_bwd_op.register_fake
+def _(dout, y, weights, row_of):
+    return torch.empty_like(y), weights.new_empty(weights.shape, dtype=torch.float32)
+
+
+def _combine_setup(ctx, inputs, output):
+    y, weights, row_of = inputs
+    ctx.save_for_backward(y, weights, row_of)
+
+
+def _combine_backward(ctx, dout):
+    y, weights, row_of = ctx.saved_tensors
+    dy, dw = _combine_bwd_op(dout.contiguous(), y, weights, row_of)
+    return dy, dw.to(weights.dtype), None
+
+
+_combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
+
+
+@torch.library.custom_op("moekit::gather_rows", mutates_args=())
+def _gather_op(x: torch.Tensor, token_idx: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+    return x.index_select(0, token_idx)
+
+
+@_gather_op.register_fake
+def _(x, token_idx, row_of):
+    return x.new_empty((token_idx.shape[0], x.shape[1]))
+
+
+@torch.library.custom_op("moekit::gather_rows_bwd", mutates_args=())
+def _gather_bwd_op(dxs: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+    return combine_fwd(dxs, None, row_of)  # dx[t] = sum_k dxs[row_of[t, k]]: no atomics
+
+
+@_gather_bwd_op.register_fake
+def _(dxs, row_of):
+    return dxs.new_empty((row_of.shape[0], dxs.shape[1]))
+
+
+def _gather_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[2])
+
+
+def _gather_backward(ctx, dxs):
+    (row_of,) = ctx.saved_tensors
+    return _gather_bwd_op(dxs.contiguous(), row_of), None, None
+
+
+_gather_op.register_autograd(_gather_backward, setup_context=_gather_setup)
+
+# --------------------------------------------------------------------------------------------------
+# public ops
+# --------------------------------------------------------------------------------------------------
+
+
+def _kernels(device: torch.device) -> bool:
+    return config.uses_triton(device)
+
+
+def topk_router(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    top_k: int,
+    score_func: str = "softmax",
+    renormalize: bool = True,
+    expert_bias: torch.Tensor | None = None,
+    aux_loss: bool = False,
+) -> Routing:
+    """Route tokens x (T, D) to ``top_k`` of E experts with gate ``weight`` (E, D) and ``bias`` (E,).
+
+    Logits are computed in fp32; ``score_func`` is "softmax" or "sigmoid". ``expert_bias`` (E,) is
+    added to the scores for the choice only (aux-loss-free balancing); the returned weights are the
+    unbiased scores, renormalized over the K choices when ``renormalize``. ``aux_loss=True`` also
+    returns the switch-style load-balancing loss ``E * sum_e f_e * P_e`` (f_e: fraction of routed
+    entries on e, P_e: mean score of e). Nothing here reads the device from the host.
+    """
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"topk_router: x (T, D) and weight (E, D), got {tuple(x.shape)} and {tuple(weight.shape)}")
+    num_experts = weight.shape[0]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"topk_router: top_k must be in [1, {num_experts}], got {top_k}")
+    if score_func not in ("softmax", "sigmoid"):
+        raise ValueError(f"topk_router: score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
+    logits = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    scores = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
+    choice = scores if expert_bias is None else scores + expert_bias.float()
+    experts = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, experts)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
+    experts = experts.to(torch.int32)
+    meta = _route_op if _kernels(x.device) else route_metadata_ref
+    counts, offs, token_idx, row_of = meta(experts, num_experts)
+    loss = None
+    if aux_loss:
+        frac = counts.float() / max(experts.numel(), 1)
+        loss = num_experts * (frac * scores.mean(0)).sum()
+    return Routing(weights, experts, counts, offs, token_idx, row_of, loss)
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_k weights[t, k] * y[row_of[t, k]], accumulated in fp32, returned in y.dtype.
+
+    y (R, D) expert outputs in expert-sorted order; weights (T, K) fp32; row_of (T, K) int32.
+    Deterministic forward and backward (gradients to y and weights)."""
+    if not _kernels(y.device):
+        return combine_ref(y, weights, row_of)
+    return _combine_op(y.contiguous(), weights.float().contiguous(), row_of)
+
+
+def gather_rows(x: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """x (T, D) -> (R, D) rows in expert-sorted order; the backward sums each token's K rows (no atomics)."""
+    if not _kernels(x.device):
+        return x[routing.token_idx.long()]
+    return _gather_op(x, routing.token_idx, routing.row_of)
