@@ -1,0 +1,134 @@
+"""Router, routing metadata, combine, gather and the MoE block on CPU (kernels under the interpreter).
+
+Routing and permutations must match exactly; numerics against float64 within PyTorch's own bf16 error.
+"""
+
+import pytest
+import torch
+
+from moekit import MoE, combine, combine_ref, gather_rows, route_metadata_ref, topk_router
+from moekit.bench.baselines import TorchtitanMoE
+from moekit.routing import route_metadata
+from moekit.testing import assert_within_baseline
+
+BF16 = torch.bfloat16
+
+
+def _ids(t, e, k, *, hot=None):
+    """(T, K) distinct expert ids per token; ``hot`` forces every token onto experts 0..K-1."""
+    if hot:
+        return torch.arange(k, dtype=torch.int32).repeat(t, 1)
+    return torch.rand(t, e).topk(k, -1).indices.to(torch.int32)
+
+
+@pytest.mark.parametrize(
+    "t, e, k, hot",
+    [
+        pytest.param(37, 8, 2, False, id="odd-t"),  # partial metadata block
+        pytest.param(300, 128, 8, False, id="qwen-like"),  # several blocks, E=128
+        pytest.param(1, 4, 4, False, id="t1-k-eq-e"),  # T=1 and K=E
+        pytest.param(200, 16, 1, True, id="all-on-one"),  # every token on expert 0; 15 empty experts
+        pytest.param(0, 8, 2, False, id="t0"),  # no tokens
+    ],
+)
+def test_route_metadata_matches_stable_argsort(interpreter, t, e, k, hot):
+    ids = _ids(t, e, k, hot=hot)
+    got = route_metadata(ids, e)
+    want = route_metadata_ref(ids, e)
+    for name, a, b in zip(("counts", "offs", "token_idx", "row_of"), got, want, strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_topk_router(interpreter, score_func, renormalize):
+    x = torch.randn(50, 32)
+    w, b = torch.randn(8, 32), torch.randn(8)
+    r = topk_router(x, w, b, top_k=3, score_func=score_func, renormalize=renormalize, aux_loss=True)
+    logits = x.double() @ w.double().T + b.double()
+    scores = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
+    ids = scores.topk(3, -1).indices
+    assert torch.equal(r.experts.long(), ids)
+    want = scores.gather(1, ids)
+    if renormalize:
+        want = want / want.sum(-1, keepdim=True)
+    torch.testing.assert_close(r.weights.double(), want, rtol=1e-5, atol=1e-6)
+    counts = torch.bincount(ids.flatten(), minlength=8)
+    assert torch.equal(r.counts.long(), counts)
+    loss = 8 * (counts.double() / ids.numel() * scores.mean(0)).sum()
+    torch.testing.assert_close(r.aux_loss.double(), loss, rtol=1e-5, atol=1e-6)
+
+
+def test_expert_bias_changes_choice_not_weights(interpreter):
+    x, w = torch.randn(40, 16), torch.randn(4, 16)
+    bias = torch.tensor([0.0, 0.0, 0.0, 10.0])  # expert 3 is chosen by everyone
+    r = topk_router(x, w, top_k=1, expert_bias=bias, renormalize=False)
+    assert (r.experts == 3).all()
+    torch.testing.assert_close(r.weights[:, 0], (x @ w.T).softmax(-1)[:, 3])
+
+
+def test_combine_and_gather_against_float64(interpreter):
+    t, e, k, d = 33, 8, 3, 40
+    ids = _ids(t, e, k)
+    _, _, token_idx, row_of = route_metadata(ids, e)
+    y = torch.randn(t * k, d).to(BF16).requires_grad_()
+    w = torch.rand(t, k).requires_grad_()
+    out = combine(y, w, row_of)
+    dout = torch.randn(t, d).to(BF16)
+    out.backward(dout)
+    y64, w64 = y.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = combine_ref(y64, w64, row_of)
+    ref.backward(dout.double())
+    y16, w16 = y.detach().requires_grad_(), w.detach().requires_grad_()
+    base = combine_ref(y16, w16, row_of)
+    base.backward(dout)
+    assert_within_baseline(out, ref, base, what="combine")
+    assert_within_baseline(y.grad, y64.grad, y16.grad, what="dy")
+    assert_within_baseline(w.grad, w64.grad, w16.grad, what="dw")
+
+    class _R:  # the routing fields gather_rows reads
+        pass
+
+    r = _R()
+    r.token_idx, r.row_of = token_idx, row_of
+    x = torch.randn(t, d).to(BF16).requires_grad_()
+    xs = gather_rows(x, r)
+    assert torch.equal(xs, x.detach()[token_idx.long()])
+    g = torch.randn_like(xs)
+    xs.backward(g)
+    want = torch.zeros(t, d, dtype=torch.float64).index_add_(0, token_idx.long(), g.double())
+    assert_within_baseline(x.grad, want, torch.zeros(t, d).index_add_(0, token_idx.long(), g.float()).to(BF16))
+
+
+def test_moe_matches_torchtitan_block(interpreter):
+    torch.manual_seed(7)
+    moe = MoE(32, 24, 8, 2, dtype=BF16)
+    base = TorchtitanMoE(moe)
+    x = (torch.randn(2, 20, 32) * 2).to(BF16).requires_grad_()
+    out = moe(x)
+    ref = base(x)
+    assert out.shape == x.shape
+    moe32 = MoE(32, 24, 8, 2, dtype=torch.float32)
+    moe32.load_state_dict({k: v.float() for k, v in moe.state_dict().items()})
+    oracle = TorchtitanMoE(moe32)(x.detach().float())
+    assert_within_baseline(out, oracle, ref, what="moe")
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    grads = {n: p.grad.clone() for n, p in moe.named_parameters()}
+    dx = x.grad.clone()
+    moe.zero_grad()
+    x.grad = None
+    base(x).backward(dy)
+    for name, p in moe.named_parameters():
+        assert p.grad is not None and torch.isfinite(grads[name]).all(), name
+        rel = (grads[name].float() - p.grad.float()).norm() / p.grad.float().norm().clamp_min(1e-12)
+        assert rel < 0.05, (name, float(rel))
+    assert ((dx.float() - x.grad.float()).norm() / x.grad.float().norm()) < 0.05
+
+
+def test_moe_balancing_state(interpreter):
+    moe = MoE(16, 8, 4, 2, dtype=BF16, aux_loss=True)
+    moe(torch.randn(10, 16).to(BF16))
+    assert moe.tokens_per_expert.sum() == 20 and moe.aux_loss is not None
+    moe.update_expert_bias(0.1)
+    assert moe.tokens_per_expert.sum() == 0 and moe.expert_bias.abs().sum() > 0
