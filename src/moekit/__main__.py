@@ -1,9 +1,10 @@
 """``python -m moekit bench | info``.
 
-bench: on a GPU, the fused expert MLP (GptOssExperts) against the torchtitan-style experts at the
-gpt-oss shapes, then the grouped-GEMM table against torch._grouped_mm and a dense matmul for all the
-BENCH.md shapes; on a CPU, both tables for a small configuration through the pure-PyTorch
-reference. Prints the tables and writes them, with a PNG plot, to ``--out`` (default bench/out).
+bench: on a GPU, (1) the gpt-oss-20b MoE block against the torchtitan-style block, (2) the fused
+expert MLP (GptOssExperts) against the torchtitan-style experts at the gpt-oss shapes, (3) the
+grouped GEMM against torch._grouped_mm and a dense matmul for all the BENCH.md shapes. On a CPU, the
+same tables for a small configuration through the pure-PyTorch reference. Prints the tables and
+writes them, with a PNG plot, to ``--out`` (default bench/out).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def _bench(args) -> None:
     from .bench import CPU_SHAPES, SHAPES
     from .bench import experts as bench_experts
     from .bench import grouped_mm as bench_grouped_mm
+    from .bench import moe as bench_moe
     from .config import uses_triton
 
     on_gpu = torch.cuda.is_available()
@@ -46,6 +48,12 @@ def _bench(args) -> None:
     path = "Triton kernels" if uses_triton(torch.device("cuda" if on_gpu else "cpu")) else "pure-PyTorch reference"
     os.makedirs(args.out, exist_ok=True)
     written = []
+    block_shapes = [s for s in shapes if s.name == "gpt-oss-20b" or not on_gpu] if not args.shape else shapes
+    if args.only in (None, "moe"):
+        print(f"moekit bench: MoE block through the {path}", file=sys.stderr)
+        md = os.path.join(args.out, "moe.md")
+        print(bench_moe.main(block_shapes, out_md=md, progress=_progress("moe")), "\n")
+        written.append(md)
     if args.only in (None, "experts"):
         print(f"moekit bench: expert MLP through the {path}", file=sys.stderr)
         expert_shapes = [s for s in shapes if s.name in EXPERT_SHAPES or not on_gpu] if not args.shape else shapes
@@ -81,7 +89,7 @@ def main(argv=None) -> None:
     bench.add_argument("--shape", action="append", help="a BENCH.md shape name (repeatable); default: all")
     bench.add_argument("--tokens", type=int, help="tokens per rank T (default: the shape's, 24576)")
     bench.add_argument("--out", default=os.path.join("bench", "out"), help="folder for the tables and plot")
-    bench.add_argument("--only", choices=["experts", "grouped_mm"], help="run one of the two tables")
+    bench.add_argument("--only", choices=["moe", "experts", "grouped_mm"], help="run one of the tables")
     bench.set_defaults(fn=_bench)
     info = sub.add_parser("info", help="versions and the device path moekit will take")
     info.set_defaults(fn=_info)

@@ -1,0 +1,68 @@
+"""MoE-block benchmark: moekit.MoE against the torchtitan-style block of BENCH.md.
+
+Times forward and forward+backward (backward = the difference) of the whole block (router, dispatch,
+experts, combine) and measures saved activations (memory after the forward, minus before, minus the
+output), for the gpt-oss shapes at T tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layers import MoE
+from ..testing import rel_errors
+from . import CPU_SHAPES, SHAPES, MoEShape, bench_ms, environment
+from .baselines import TorchtitanMoE
+from .experts import _saved_bytes
+
+
+def run_shape(shape: MoEShape, device) -> dict:
+    torch.manual_seed(0)
+    moe = MoE(shape.d, shape.f, shape.e, shape.top_k, device=device, dtype=torch.bfloat16)
+    base = TorchtitanMoE(moe)
+    x = torch.randn(shape.tokens, shape.d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    params = [x, *moe.parameters()]
+    row = {"shape": shape.name, "flops": 6.0 * shape.tokens * shape.top_k * shape.d * shape.f}
+    for name, mod in (("moekit", moe), ("torchtitan", base)):
+        fwd_ms = bench_ms(lambda mod=mod: mod(x))
+        step_ms = bench_ms(lambda mod=mod: torch.autograd.grad(mod(x), params, dy))
+        row[name] = dict(fwd=fwd_ms, bwd=max(step_ms - fwd_ms, 1e-6), saved=_saved_bytes(lambda mod=mod: mod(x)))
+    with torch.no_grad():
+        row["err"] = rel_errors(moe(x), base(x))[1]
+    return row
+
+
+def table(rows) -> str:
+    out = [
+        environment(),
+        "",
+        "| shape | impl | fwd ms | bwd ms | fwd+bwd ms | expert TF/s fwd | saved GiB | speedup fwd+bwd | saved ratio"
+        " | err |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        base_total = r["torchtitan"]["fwd"] + r["torchtitan"]["bwd"]
+        for impl in ("moekit", "torchtitan"):
+            m = r[impl]
+            total = m["fwd"] + m["bwd"]
+            ratio = m["saved"] / r["torchtitan"]["saved"] if r["torchtitan"]["saved"] else float("nan")
+            err = f"{r['err']:.1e}" if impl == "moekit" else ""
+            out.append(
+                f"| {r['shape']} | {impl} | {m['fwd']:.2f} | {m['bwd']:.2f} | {total:.2f} | "
+                f"{r['flops'] / m['fwd'] / 1e9:.0f} | {m['saved'] / 2**30:.2f} | {base_total / total:.2f}x | "
+                f"{ratio:.2f} | {err} |"
+            )
+    return "\n".join(out)
+
+
+def main(shapes, out_md: str | None = None, progress=None) -> str:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    known = {**SHAPES, **CPU_SHAPES}
+    shapes = [s if isinstance(s, MoEShape) else known[s] for s in shapes]
+    rows = [run_shape(s, device) for s in (progress(shapes) if progress else shapes)]
+    text = table(rows)
+    if out_md:
+        with open(out_md, "w") as fh:
+            fh.write(text + "\n")
+    return text
