@@ -62,6 +62,8 @@ def test_moe_no_sync_graph_compile():
     for a, b in zip(static, eager, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
+    # Inductor re-fuses the router's fp32 softmax / renormalization, so routing weights may differ in
+    # the last fp32 bit and a few bf16 outputs by one ulp: compare at two bf16 ulps, not bitwise.
     compiled = torch.compile(moe, fullgraph=True)
     out_c = compiled(x)
-    torch.testing.assert_close(out_c, moe(x), rtol=0, atol=0)
+    torch.testing.assert_close(out_c, moe(x), rtol=2**-7, atol=2**-7)
