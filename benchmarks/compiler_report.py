@@ -49,6 +49,8 @@ def _signature(kernel, cfg: TileConfig, tma: bool, b_trans: bool):
                  DOT_F32=False, FLATTEN=cfg.flatten)
     if not ragged_k:
         const.update(BLOCK_E=64, B_TRANS=b_trans, bias=None)
+    else:
+        const.update(a_index=None)
     sig = {}
     for name in kernel.arg_names:
         sig[name] = descs.get(name) or ("*i32" if name == "offs_ptr" else "constexpr" if name in const else "i32")
@@ -66,7 +68,7 @@ def _expert_signature(kernel, cfg: TileConfig, halves: bool):
     descs = {"a": f"tensordesc<bf16[{bm},{bk}]>", "b": f"tensordesc<bf16[1,{b_block},{bk}]>",
              "aux_a": up_pair, "aux_b": up_pair, "h": f"tensordesc<bf16[1,1,{bm},{half // 2}]>", "bias": "*bf16"}
     const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, BLOCK_E=64, USE_TMA=True,
-                 DOT_F32=False, FLATTEN=cfg.flatten, B_TRANS=True, OUT_DTYPE=tl.bfloat16,
+                 DOT_F32=False, FLATTEN=cfg.flatten, B_TRANS=True, OUT_DTYPE=tl.bfloat16, a_index=None,
                  **SwiGLU(layout="halves" if halves else "interleaved").constexprs())
     sig = {n: descs.get(n) or ("*i32" if n == "offs_ptr" else "constexpr" if n in const else "i32")
            for n in kernel.arg_names}

@@ -36,6 +36,7 @@ from .grouped_gemm import (
     grouped_mm_fwd,
 )
 from .reference import grouped_mm_downproj_ref, grouped_mm_swiglu_ref, swiglu_ref
+from .routing import _gather_bwd_op
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -65,8 +66,9 @@ def _weights(w: torch.Tensor, cfg_block_n: int, block_k: int):
     return TensorDescriptor(w, [e, n, k], [w.stride(0), w.stride(2), 1], [1, cfg_block_n, block_k]), True
 
 
-def _launch_common(x, w, out_bytes, n_gemm, epilogue="none"):
-    m, k = x.shape
+def _launch_common(x, w, out_bytes, n_gemm, epilogue="none", m=None):
+    k = x.shape[1]
+    m = x.shape[0] if m is None else m
     e = w.shape[0]
     cfg = config.grouped_mm_config(
         m // e, n_gemm, k, e, ragged_k=False, tma=config.use_tma(x.device), out_bytes=out_bytes, device=x.device,
@@ -87,16 +89,19 @@ def _tma_views_ok(x, w, tensors) -> bool:
     )
 
 
-def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig | None = None):
-    """x (M, D), w (E, D, 2F), bias (E, 2F) or None -> (h (M, F), aux (M, 2F)) in x.dtype."""
-    m, d = x.shape
+def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig | None = None, token_idx=None):
+    """x (M, D), w (E, D, 2F), bias (E, 2F) or None -> (h (M, F), aux (M, 2F)) in x.dtype.
+
+    With ``token_idx`` (R,) int32, x is (T, D) and row r of the GEMM is x[token_idx[r]] (M = R)."""
+    d = x.shape[1]
+    m = x.shape[0] if token_idx is None else token_idx.numel()
     e, two_f = w.shape[0], w.shape[2]
     f = two_f // 2
     aux = config.empty((m, two_f), dtype=x.dtype, device=x.device)
     h = config.empty((m, f), dtype=x.dtype, device=x.device)
     if m == 0 or f == 0:
         return h, aux
-    _, _, _, auto, sms = _launch_common(x, w, x.element_size(), two_f, "swiglu")
+    _, _, _, auto, sms = _launch_common(x, w, x.element_size(), two_f, "swiglu", m=m)
     cfg = cfg or auto
     aux_a, aux_b = _pair_views(aux, spec)
     tma = d > 0 and _tma_views_ok(x, w, (aux_a, aux_b, h))
@@ -105,7 +110,7 @@ def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig
     if tma:  # the epilogue stores in two halves: quarter-width h boxes (see the kernel)
         aux_block = [bm, bf // 2] if spec.halves else [bm, bn // 2]
         args = (
-            TensorDescriptor(x, [m, d], [x.stride(0), 1], [bm, bk]),
+            TensorDescriptor(x, [m, d], [x.stride(0), 1], [bm, bk]) if token_idx is None else x,
             _weights(w, bf if spec.halves else bn, bk)[0],
             _row_bounded(aux_a, aux_block),
             _row_bounded(aux_b, aux_block),
@@ -115,7 +120,7 @@ def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig
         args = (x, w, aux_a, aux_b, h)
     tiles = (triton.cdiv(m, bm) + e + 1) * triton.cdiv(f, bf)
     _grouped_mm_swiglu_kernel[(min(sms * cfg.programs_per_sm, tiles),)](
-        *args, offs, bias,
+        *args, offs, bias, token_idx,
         m, f, d, e,
         x.stride(0), x.stride(1),
         w.stride(0), w.stride(1), w.stride(2),
@@ -235,15 +240,31 @@ def _spec(alpha, limit, linear_offset, layout) -> SwiGLU:
 @torch.library.custom_op("moekit::grouped_mm_swiglu", mutates_args=())
 def _swiglu_op(
     x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, bias: torch.Tensor | None,
+    token_idx: torch.Tensor | None, row_of: torch.Tensor | None,
     alpha: float, limit: float | None, linear_offset: float, layout: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return grouped_mm_swiglu_fwd(x, w, offs, bias, _spec(alpha, limit, linear_offset, layout))
+    spec = _spec(alpha, limit, linear_offset, layout)
+    return grouped_mm_swiglu_fwd(x, w, offs, bias, spec, token_idx=token_idx)
 
 
 @_swiglu_op.register_fake
-def _(x, w, offs, bias, alpha, limit, linear_offset, layout):
+def _(x, w, offs, bias, token_idx, row_of, alpha, limit, linear_offset, layout):
     two_f = w.shape[2]
-    return x.new_empty((x.shape[0], two_f // 2)), x.new_empty((x.shape[0], two_f))
+    rows = x.shape[0] if token_idx is None else token_idx.shape[0]
+    return x.new_empty((rows, two_f // 2)), x.new_empty((rows, two_f))
+
+
+@torch.library.custom_op("moekit::grouped_mm_gathered_wgrad", mutates_args=())
+def _gathered_wgrad_op(
+    x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor, token_idx: torch.Tensor
+) -> torch.Tensor:
+    """dW[g] = x[token_idx[rows_g]]^T @ grad[rows_g]: (E, D, N), reading x's token rows in place."""
+    return grouped_mm_fwd(x.mT, grad, offs, a_index=token_idx)
+
+
+@_gathered_wgrad_op.register_fake
+def _(x, grad, offs, token_idx):
+    return x.new_empty((offs.shape[0], x.shape[1], grad.shape[1]))
 
 
 @torch.library.custom_op("moekit::grouped_mm_dswiglu", mutates_args=())
@@ -295,23 +316,27 @@ _CONTRACT = (
 
 
 def _swiglu_setup(ctx, inputs, output):
-    x, w, offs, bias, *_ = inputs
-    ctx.save_for_backward(x, w, offs, bias)
+    x, w, offs, bias, token_idx, row_of, *_ = inputs
+    ctx.save_for_backward(x, w, offs, bias, token_idx, row_of)
     ctx.set_materialize_grads(False)  # an unused h must arrive as None, not as zeros
 
 
 def _swiglu_backward(ctx, grad_h, grad_aux):
     if grad_h is not None:
         raise RuntimeError(_CONTRACT)
-    x, w, offs, bias = ctx.saved_tensors
+    x, w, offs, bias, token_idx, row_of = ctx.saved_tensors
     if grad_aux is None:
-        return (None,) * 8
+        return (None,) * 10
     d_aux = _matrix_ready(grad_aux)
     need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
     grad_x = _grouped_mm_op(d_aux, w.mT, offs, None) if need_x else None
-    grad_w = _grouped_mm_op(x.mT, d_aux, offs, None) if need_w else None
+    if token_idx is None:
+        grad_w = _grouped_mm_op(x.mT, d_aux, offs, None) if need_w else None
+    else:  # permute-free: sum each token's K rows (no atomics); dW reads x's token rows in place
+        grad_x = _gather_bwd_op(grad_x, row_of) if need_x else None
+        grad_w = _gathered_wgrad_op(x, d_aux, offs, token_idx) if need_w else None
     grad_b = _bias_grad(d_aux, offs, bias) if need_b else None
-    return grad_x, grad_w, None, grad_b, None, None, None, None
+    return grad_x, grad_w, None, grad_b, None, None, None, None, None, None
 
 
 _swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
@@ -375,6 +400,8 @@ def grouped_mm_swiglu(
     swiglu_limit: float | None = 7.0,
     swiglu_linear_offset: float = 1.0,
     gate_up_layout: str = "interleaved",
+    token_idx: torch.Tensor | None = None,
+    row_of: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Up-projection with bias and SwiGLU fused: returns ``(h, aux)``.
 
@@ -382,6 +409,11 @@ def grouped_mm_swiglu(
     passed as ``w.mT`` (no copy); bias (E, 2F) or None; offs (E,) int32 cumulative row ends.
     ``aux`` = x @ w_up[g] + bias[g] (M, 2F) in x.dtype, ``h`` = SwiGLU(aux) (M, F); rows past
     offs[-1] are zero in both. See :class:`moekit.epilogue.SwiGLU` for the activation and layouts.
+
+    Permute-free dispatch: with ``token_idx`` (R,) and ``row_of`` (T, K) int32 from
+    :func:`moekit.topk_router`, x is the (T, D) token matrix and the GEMM reads row r as
+    x[token_idx[r]] itself; no permuted copy of x is made or saved, and the gradient to x sums each
+    token's K rows without atomics. h and aux then have R rows.
 
     Backward contract: ``h`` carries no gradient. Feed it to :func:`grouped_mm_downproj` together
     with ``aux_biased_acc=aux``; the gradient then reaches x, w_up and bias through ``aux``. A
@@ -391,9 +423,16 @@ def grouped_mm_swiglu(
     _check_expert_inputs("grouped_mm_swiglu", x, w_up, offs, bias, w_up.shape[2])
     if w_up.shape[2] % 2:
         raise ValueError(f"grouped_mm_swiglu: w_up's last dim must be 2F (even), got {w_up.shape[2]}")
+    if (token_idx is None) != (row_of is None):
+        raise ValueError("grouped_mm_swiglu: token_idx and row_of go together (both from topk_router)")
+    if token_idx is not None:
+        ok = token_idx.dtype == row_of.dtype == torch.int32 and token_idx.dim() == 1 and row_of.dim() == 2
+        if not ok or row_of.shape[0] != x.shape[0] or token_idx.numel() != row_of.numel():
+            raise ValueError("grouped_mm_swiglu: token_idx (R,) and row_of (T, K) must be int32 with R = T*K")
     if not config.uses_triton(x.device):
-        return grouped_mm_swiglu_ref(x, w_up, offs, bias=bias, **_spec_kwargs(spec))
-    return _swiglu_op(x, w_up, offs, bias, *_spec_args(spec))
+        rows = x if token_idx is None else x[token_idx.long()]
+        return grouped_mm_swiglu_ref(rows, w_up, offs, bias=bias, **_spec_kwargs(spec))
+    return _swiglu_op(x, w_up, offs, bias, token_idx, row_of, *_spec_args(spec))
 
 
 def grouped_mm_downproj(

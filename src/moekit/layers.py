@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .experts import grouped_mm_downproj, grouped_mm_swiglu
-from .routing import combine, gather_rows, topk_router
+from .routing import combine, topk_router
 
 
 class GptOssExperts(nn.Module):
@@ -18,7 +18,9 @@ class GptOssExperts(nn.Module):
 
     ``forward(x_RD, num_tokens_per_expert_E)``: x (R, D) rows sorted by expert, counts (E,) of any
     integer dtype on x's device -> (R, D). Rows past ``sum(counts)`` come out as zeros. Weights in
-    another dtype than x are cast to x's dtype for the GEMMs.
+    another dtype than x are cast to x's dtype for the GEMMs. Permute-free: pass x as the (T, D)
+    tokens with ``token_idx_R`` and ``row_of_TK`` from :func:`moekit.topk_router`; the GEMMs then
+    read token rows in place and the result is still (R, D) in expert-sorted order.
     """
 
     def __init__(
@@ -53,12 +55,20 @@ class GptOssExperts(nn.Module):
         for b in (self.mlp1_bias_EG, self.mlp2_bias_ED):
             nn.init.trunc_normal_(b, mean=0.0, std=init_std)
 
-    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x_RD: torch.Tensor,
+        num_tokens_per_expert_E: torch.Tensor,
+        token_idx_R: torch.Tensor | None = None,
+        row_of_TK: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
         w1, w2 = self.mlp1_weight_EGD, self.mlp2_weight_EDF
         if w1.dtype != x_RD.dtype:
             w1, w2 = w1.to(x_RD.dtype), w2.to(x_RD.dtype)
-        h, aux = grouped_mm_swiglu(x_RD, w1.mT, offs, bias=self.mlp1_bias_EG, **self.swiglu)
+        h, aux = grouped_mm_swiglu(
+            x_RD, w1.mT, offs, bias=self.mlp1_bias_EG, token_idx=token_idx_R, row_of=row_of_TK, **self.swiglu
+        )
         return grouped_mm_downproj(
             h, w2.mT, offs, bias=self.mlp2_bias_ED, aux_biased_acc=aux, **self.swiglu
         )
@@ -110,7 +120,7 @@ class MoE(nn.Module):
         with torch.no_grad():
             self.tokens_per_expert += r.counts
         self.aux_loss = r.aux_loss
-        ys = self.experts(gather_rows(x2, r), r.counts)
+        ys = self.experts(x2, r.counts, r.token_idx, r.row_of)  # permute-free: no copy of x
         return combine(ys, r.weights, r.row_of).reshape(shape)
 
     @torch.no_grad()

@@ -18,9 +18,11 @@ from .epilogue import split_pairs, swiglu_apply
 from .grouped_gemm import (
     _add_bias,
     _dot,
+    _gather_rows_of,
     _group_table,
     _halves,
     _load_2d,
+    _load_gathered,
     _locate,
     _mainloop,
     _store_rows,
@@ -32,13 +34,26 @@ def _mainloop_pair(
     a, b, acc_g, acc_l, g, row, col_g, col_l, k_iters, M, N, K,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
-    B_TRANS: tl.constexpr, USE_TMA: tl.constexpr, DOT_F32: tl.constexpr,
+    B_TRANS: tl.constexpr, USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, a_rows=None,
 ):
-    """Two accumulators sharing each A tile: b[g][:, col_g:+BF] and b[g][:, col_l:+BF] (halves layout)."""
+    """Two accumulators sharing each A tile: b[g][:, col_g:+BF] and b[g][:, col_l:+BF] (halves layout).
+    ``a_rows``: gathered A rows, as in ``_mainloop``."""
     b_base = g.to(tl.int64) * stride_be
     for ki in range(k_iters):
         k = ki * BLOCK_K
-        if USE_TMA:
+        if a_rows is not None:
+            a_tile = _load_gathered(a, a_rows, k, K, stride_am, stride_ak, BLOCK_K)
+            if USE_TMA:
+                if B_TRANS:
+                    bg = tl.reshape(b.load([g, col_g, k]), [BLOCK_F, BLOCK_K]).T
+                    bl = tl.reshape(b.load([g, col_l, k]), [BLOCK_F, BLOCK_K]).T
+                else:
+                    bg = tl.reshape(b.load([g, k, col_g]), [BLOCK_K, BLOCK_F])
+                    bl = tl.reshape(b.load([g, k, col_l]), [BLOCK_K, BLOCK_F])
+            else:
+                bg = _load_2d(b, b_base, k, col_g, K, N, stride_bk, stride_bn, BLOCK_K, BLOCK_F)
+                bl = _load_2d(b, b_base, k, col_l, K, N, stride_bk, stride_bn, BLOCK_K, BLOCK_F)
+        elif USE_TMA:
             a_tile = a.load([row, k])
             if B_TRANS:
                 bg = tl.reshape(b.load([g, col_g, k]), [BLOCK_F, BLOCK_K]).T
@@ -81,6 +96,7 @@ def _swiglu_epilogue(
 @triton.jit
 def _grouped_mm_swiglu_kernel(
     a, b, aux_a, aux_b, h, offs_ptr, bias,  # a (M, D); b (E, D, 2F); aux (M, 2F) out; h (M, F) out; bias (E, 2F)
+    a_index,  # None, or (M,) int32: row r of A is row a_index[r] of the (T, D) pointer a (permute-free)
     M, F, K, E,
     stride_am, stride_ak,
     stride_be, stride_bk, stride_bn,
@@ -105,12 +121,16 @@ def _grouped_mm_swiglu_kernel(
         real = g < E  # group E: rows past offs[-1], which get aux = h = 0
         k_iters = tl.where(real, k_tiles, 0)
         gb = tl.minimum(g, E - 1)
+        if a_index is not None:
+            a_rows = _gather_rows_of(a_index, row, end, BLOCK_M)
+        else:
+            a_rows = None
         if HALVES:
             acc_g = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
             acc_l = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
             acc_g, acc_l = _mainloop_pair(a, b, acc_g, acc_l, g, row, j, F + j, k_iters, M, 2 * F, K,
                                           stride_am, stride_ak, stride_be, stride_bk, stride_bn,
-                                          BLOCK_M, BLOCK_F, BLOCK_K, B_TRANS, USE_TMA, DOT_F32)
+                                          BLOCK_M, BLOCK_F, BLOCK_K, B_TRANS, USE_TMA, DOT_F32, a_rows)
             acc_g = _add_bias(acc_g, bias, stride_bias_e, gb, j, tl.where(real, F, 0), BLOCK_F)
             acc_l = _add_bias(acc_l, bias, stride_bias_e, gb, F + j, tl.where(real, 2 * F, 0), BLOCK_F)
             g_lo, g_hi = _halves(acc_g, BLOCK_M, BLOCK_F)
@@ -119,7 +139,7 @@ def _grouped_mm_swiglu_kernel(
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc = _mainloop(a, b, acc, g, row, 2 * j, k_iters, M, 2 * F, K,
                             stride_am, stride_ak, stride_be, stride_bk, stride_bn,
-                            BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS, USE_TMA, DOT_F32)
+                            BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS, USE_TMA, DOT_F32, a_rows)
             acc = _add_bias(acc, bias, stride_bias_e, gb, 2 * j, tl.where(real, 2 * F, 0), BLOCK_N)
             g_lo, g_hi = _halves(acc, BLOCK_M, BLOCK_N)  # each holds QUARTER whole (gate, linear) pairs
             l_lo, l_hi = g_lo, g_hi

@@ -71,6 +71,21 @@ def _load_2d(src, base, row, col, row_end, col_end, stride_r, stride_c,
 
 
 @triton.jit
+def _gather_rows_of(index, row, row_end, BLOCK_R: tl.constexpr):
+    """Source rows index[row : row + BLOCK_R] (int64), -1 past ``row_end``: the permute-free dispatch."""
+    r = row + tl.arange(0, BLOCK_R)
+    return tl.load(index + r, mask=r < row_end, other=-1).to(tl.int64)
+
+
+@triton.jit
+def _load_gathered(src, src_rows, col, col_end, stride_r, stride_c, BLOCK_C: tl.constexpr):
+    """[len(src_rows), BLOCK_C] tile of ``src`` whose rows are ``src_rows`` (-1: a zero row)."""
+    cols = col + tl.arange(0, BLOCK_C)
+    ptrs = src + src_rows[:, None] * stride_r + cols[None, :].to(tl.int64) * stride_c
+    return tl.load(ptrs, mask=(src_rows[:, None] >= 0) & (cols[None, :] < col_end), other=0.0)
+
+
+@triton.jit
 def _dot(a, b, acc, DOT_F32: tl.constexpr):
     # The CPU interpreter computes tl.dot on bf16/fp16 operands wrongly; upcast there.
     if DOT_F32:
@@ -114,13 +129,25 @@ def _mainloop(
     a, b, acc, g, row, col, k_iters, M, N, K,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    B_TRANS: tl.constexpr, USE_TMA: tl.constexpr, DOT_F32: tl.constexpr,
+    B_TRANS: tl.constexpr, USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, a_rows=None,
 ):
-    """acc += a[row:row+BM, :] @ b[g][:, col:col+BN] over ``k_iters`` steps of BLOCK_K."""
+    """acc += a[row:row+BM, :] @ b[g][:, col:col+BN] over ``k_iters`` steps of BLOCK_K.
+
+    ``a_rows`` (BLOCK_M,) int64 or None: read A's rows from those rows of the pointer ``a`` instead
+    (the permute-free gather; TMA cannot gather on Hopper, so those are plain loads)."""
     b_base = g.to(tl.int64) * stride_be
     for ki in range(k_iters):
         k = ki * BLOCK_K
-        if USE_TMA:
+        if a_rows is not None:
+            a_tile = _load_gathered(a, a_rows, k, K, stride_am, stride_ak, BLOCK_K)
+            if USE_TMA:
+                if B_TRANS:
+                    b_tile = tl.reshape(b.load([g, col, k]), [BLOCK_N, BLOCK_K]).T
+                else:
+                    b_tile = tl.reshape(b.load([g, k, col]), [BLOCK_K, BLOCK_N])
+            else:
+                b_tile = _load_2d(b, b_base, k, col, K, N, stride_bk, stride_bn, BLOCK_K, BLOCK_N)
+        elif USE_TMA:
             a_tile = a.load([row, k])
             if B_TRANS:
                 b_tile = tl.reshape(b.load([g, col, k]), [BLOCK_N, BLOCK_K]).T
@@ -211,6 +238,7 @@ def _grouped_mm_ragged_m_kernel(
 @triton.jit
 def _grouped_mm_ragged_k_kernel(
     a, b, c, offs_ptr,  # a (M, Kt); b (Kt, N); c (E, M, N); offs (E,) int32 cumulative ends along Kt
+    a_index,  # None, or (Kt,) int32: a's column kt is column a_index[kt] of the (M, T) pointer a
     M, N, KT, E,
     stride_am, stride_ak,
     stride_bk, stride_bn,
@@ -239,7 +267,14 @@ def _grouped_mm_ragged_k_kernel(
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(k_start, k_end, BLOCK_K):
-            if USE_TMA:
+            if a_index is not None:  # permute-free wgrad: A^T rows are x rows picked by a_index
+                src = _gather_rows_of(a_index, k, k_end, BLOCK_K)
+                a_tile = _load_gathered(a, src, row, M, stride_ak, stride_am, BLOCK_M).T
+                if USE_TMA:
+                    b_tile = _bounded_load(b, k_end, k, col, BLOCK_K, BLOCK_N)
+                else:
+                    b_tile = _load_2d(b, 0, k, col, k_end, N, stride_bk, stride_bn, BLOCK_K, BLOCK_N)
+            elif USE_TMA:
                 a_tile = _bounded_load(a, k_end, k, row, BLOCK_K, BLOCK_M).T
                 b_tile = _bounded_load(b, k_end, k, col, BLOCK_K, BLOCK_N)
             else:
