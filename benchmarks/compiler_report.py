@@ -49,8 +49,6 @@ def _signature(kernel, cfg: TileConfig, tma: bool, b_trans: bool):
                  DOT_F32=False, FLATTEN=cfg.flatten)
     if not ragged_k:
         const.update(BLOCK_E=64, B_TRANS=b_trans, bias=None)
-    else:
-        const.update(a_index=None)
     sig = {}
     for name in kernel.arg_names:
         sig[name] = descs.get(name) or ("*i32" if name == "offs_ptr" else "constexpr" if name in const else "i32")

@@ -154,8 +154,8 @@ def test_opcheck():
     # No gradients into _swiglu_op here: opcheck backpropagates random gradients into every output,
     # h included, which the fused contract rejects by design (test_gradient_through_h_raises). Its
     # autograd is checked against float64 above.
-    torch.library.opcheck(_swiglu_op, (x, w1, offs, b1, *spec))
-    h, aux = _swiglu_op(x, w1, offs, b1, *spec)
+    torch.library.opcheck(_swiglu_op, (x, w1, offs, b1, None, None, *spec))
+    h, aux = _swiglu_op(x, w1, offs, b1, None, None, *spec)
     torch.library.opcheck(_downproj_op, (h.detach(), _leaf(w2), offs, _leaf(b2), _leaf(aux), *spec))
     dy = torch.randn(1024, 256, device=DEV, dtype=BF16)
     torch.library.opcheck(_dswiglu_op, (dy, w2, offs, aux, *spec))

@@ -178,13 +178,9 @@ def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None, bias=None):
     return out
 
 
-def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None, a_index=None):
-    """2D x 2D: a (M, Kt), b (Kt, N), offs over Kt -> (E, M, N); empty groups are zero.
-
-    ``a_index`` (Kt,) int32: a's column kt is column ``a_index[kt]`` of ``a`` (M, T) instead, i.e. the
-    weight gradient reads the token rows of x = a.mT where they are (permute-free dispatch)."""
-    m, n, e = a.shape[0], b.shape[1], offs.numel()
-    kt = a.shape[1] if a_index is None else a_index.numel()
+def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None):
+    """2D x 2D: a (M, Kt), b (Kt, N), offs over Kt -> (E, M, N); empty groups are zero."""
+    (m, kt), n, e = a.shape, b.shape[1], offs.numel()
     out = config.empty((e, m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
@@ -195,7 +191,7 @@ def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None, a_index=None
     tma = (
         TensorDescriptor is not None
         and config.use_tma(a.device)
-        and (a_index is not None or _tma_ok(a, 0))
+        and _tma_ok(a, 0)
         and _tma_ok(b, 1)
         and _tma_ok(out, 2)
     )
@@ -204,7 +200,7 @@ def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None, a_index=None
     )
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     if tma:
-        a_arg = _row_bounded(a.mT, [bk, bm]) if a_index is None else a
+        a_arg = _row_bounded(a.mT, [bk, bm])
         b_arg = _row_bounded(b, [bk, bn])
         c_arg = TensorDescriptor(out, [e, m, n], [out.stride(0), out.stride(1), 1],
                                  [1, bm, bn // 2 if cfg.split_store else bn])
@@ -212,7 +208,7 @@ def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None, a_index=None
         a_arg, b_arg, c_arg = a, b, out
     programs = min(config.num_sms(a.device) * cfg.programs_per_sm, e * triton.cdiv(m, bm) * triton.cdiv(n, bn))
     _grouped_mm_ragged_k_kernel[(programs,)](
-        a_arg, b_arg, c_arg, offs, a_index,
+        a_arg, b_arg, c_arg, offs,
         m, n, kt, e,
         a.stride(0), a.stride(1),
         b.stride(0), b.stride(1),
@@ -224,13 +220,12 @@ def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None, a_index=None
     return out
 
 
-def grouped_mm_fwd(a, b, offs, out_dtype=None, cfg: config.TileConfig | None = None, a_index=None):
-    """Launch the grouped GEMM for a validated 2D x 3D or 2D x 2D problem (see ``grouped_mm``).
-    ``a_index``: the 2D x 2D form's gathered reduction columns (see ``_ragged_k``)."""
+def grouped_mm_fwd(a, b, offs, out_dtype=None, cfg: config.TileConfig | None = None):
+    """Launch the grouped GEMM for a validated 2D x 3D or 2D x 2D problem (see ``grouped_mm``)."""
     out_dtype = out_dtype or a.dtype
     if b.dim() == 3:
         return _ragged_m(a, b, offs, out_dtype, cfg)
-    return _ragged_k(a, b, offs, out_dtype, cfg, a_index)
+    return _ragged_k(a, b, offs, out_dtype, cfg)
 
 
 def _matrix_ready(t: torch.Tensor) -> torch.Tensor:

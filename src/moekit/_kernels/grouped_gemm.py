@@ -238,7 +238,6 @@ def _grouped_mm_ragged_m_kernel(
 @triton.jit
 def _grouped_mm_ragged_k_kernel(
     a, b, c, offs_ptr,  # a (M, Kt); b (Kt, N); c (E, M, N); offs (E,) int32 cumulative ends along Kt
-    a_index,  # None, or (Kt,) int32: a's column kt is column a_index[kt] of the (M, T) pointer a
     M, N, KT, E,
     stride_am, stride_ak,
     stride_bk, stride_bn,
@@ -267,14 +266,7 @@ def _grouped_mm_ragged_k_kernel(
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(k_start, k_end, BLOCK_K):
-            if a_index is not None:  # permute-free wgrad: A^T rows are x rows picked by a_index
-                src = _gather_rows_of(a_index, k, k_end, BLOCK_K)
-                a_tile = _load_gathered(a, src, row, M, stride_ak, stride_am, BLOCK_M).T
-                if USE_TMA:
-                    b_tile = _bounded_load(b, k_end, k, col, BLOCK_K, BLOCK_N)
-                else:
-                    b_tile = _load_2d(b, 0, k, col, k_end, N, stride_bk, stride_bn, BLOCK_K, BLOCK_N)
-            elif USE_TMA:
+            if USE_TMA:
                 a_tile = _bounded_load(a, k_end, k, row, BLOCK_K, BLOCK_M).T
                 b_tile = _bounded_load(b, k_end, k, col, BLOCK_K, BLOCK_N)
             else:
