@@ -72,9 +72,18 @@ def is_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+_reference = os.environ.get("MOEKIT_REFERENCE", "0") not in ("", "0")
+
+
+def set_reference(enabled: bool) -> None:
+    """Route every op through its pure-PyTorch ``*_ref`` twin, on any device (``MOEKIT_REFERENCE=1``)."""
+    global _reference
+    _reference = bool(enabled)
+
+
 def uses_triton(device: torch.device) -> bool:
     """Whether ops on ``device`` go through the Triton kernels (else the pure-PyTorch reference)."""
-    return device.type == "cuda" or is_interpreting()
+    return not _reference and (device.type == "cuda" or is_interpreting())
 
 
 @functools.cache
