@@ -33,7 +33,7 @@ def corpus(max_bytes: int) -> torch.Tensor:
             data += fh.read()
         if len(data) >= max_bytes:
             break
-    return torch.frombuffer(bytes(data[:max_bytes]), dtype=torch.uint8).long()
+    return torch.frombuffer(data[:max_bytes], dtype=torch.uint8).long()
 
 
 class Block(nn.Module):
