@@ -252,13 +252,19 @@ def topk_router(
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
     experts = experts.to(torch.int32)
-    meta = _route_op if _kernels(x.device) else route_metadata_ref
-    counts, offs, token_idx, row_of = meta(experts, num_experts)
+    counts, offs, token_idx, row_of = routing_metadata(experts, num_experts)
     loss = None
     if aux_loss:
         frac = counts.float() / max(experts.numel(), 1)
         loss = num_experts * (frac * scores.mean(0)).sum()
     return Routing(weights, experts, counts, offs, token_idx, row_of, loss)
+
+
+def routing_metadata(experts: torch.Tensor, num_experts: int):
+    """(counts, offs, token_idx, row_of) for (T, K) expert ids chosen elsewhere (e.g. by a model's own
+    router): the expert-sorted order of a stable argsort, from the Triton kernels where they run."""
+    meta = _route_op if _kernels(experts.device) else route_metadata_ref
+    return meta(experts.to(torch.int32), num_experts)
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
