@@ -60,6 +60,16 @@ def _bench(args) -> None:
         md = os.path.join(args.out, "experts.md")
         print(bench_experts.main(expert_shapes, out_md=md, progress=_progress("experts")), "\n")
         written.append(md)
+    moe_md, experts_md = os.path.join(args.out, "moe.md"), os.path.join(args.out, "experts.md")
+    if on_gpu and args.only is None:
+        from .bench.plots import plot
+
+        png = os.path.join(args.out, "moe.png")
+        try:
+            plot({"MoE block": moe_md, "expert MLP": experts_md}, png)
+            written.append(png)
+        except ImportError:
+            pass
     if args.only in (None, "grouped_mm"):
         print(f"moekit bench: grouped_mm through the {path}", file=sys.stderr)
         md = os.path.join(args.out, "grouped_mm.md")

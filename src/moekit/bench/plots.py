@@ -1,0 +1,61 @@
+"""Plots of the MoE-block and expert-MLP tables (TF/s of forward + backward per shape and implementation).
+
+Reads the markdown tables that the benchmarks write, so a figure can be redrawn from committed results:
+    python -m moekit.bench.plots bench/results/<run>/moe.md bench/results/<run>/experts.md out.png
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def _rows(path: str) -> list[list[str]]:
+    with open(path) as fh:
+        return [[c.strip() for c in line.strip().strip("|").split("|")] for line in fh if line.startswith("| ")]
+
+
+def _step_tflops(path: str) -> dict:
+    """{(shape, impl): TF/s of forward + backward} from a moe.md or experts.md table."""
+    rows = _rows(path)
+    head = rows[0]
+    col = {name: i for i, name in enumerate(head)}
+    out = {}
+    for r in rows[1:]:
+        if len(r) != len(head) or r[0].startswith("---"):
+            continue
+        total = float(r[col["fwd+bwd ms"]])
+        if "fwd TF/s" in col:  # experts table: 3x the forward FLOPs over the step
+            flops_per_ms = float(r[col["fwd TF/s"]]) * float(r[col["fwd ms"]])
+        else:  # moe table: expert TF/s of the forward
+            flops_per_ms = float(r[col["expert TF/s fwd"]]) * float(r[col["fwd ms"]])
+        out[r[0], r[1]] = 3 * flops_per_ms / total
+    return out
+
+
+def plot(tables: dict[str, str], path: str) -> None:
+    """One panel per table: bars of effective TF/s (expert FLOPs of forward + backward over time)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(tables), figsize=(6 * len(tables), 4), squeeze=False)
+    for ax, (title, table) in zip(axes[0], tables.items(), strict=True):
+        data = _step_tflops(table)
+        shapes = sorted({s for s, _ in data})
+        impls = [i for i in ("moekit", "torchtitan", "dense") if any((s, i) in data for s in shapes)]
+        width = 0.8 / len(impls)
+        for k, impl in enumerate(impls):
+            xs = [j + (k - (len(impls) - 1) / 2) * width for j in range(len(shapes))]
+            ax.bar(xs, [data.get((s, impl), 0) for s in shapes], width, label=impl)
+        ax.set_xticks(range(len(shapes)), shapes)
+        ax.set_ylabel("TF/s (fwd + bwd)")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    moe_md, experts_md, out_png = sys.argv[1:4]
+    plot({"MoE block": moe_md, "expert MLP": experts_md}, out_png)
