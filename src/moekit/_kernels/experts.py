@@ -22,7 +22,8 @@ from .grouped_gemm import (
     _group_table,
     _halves,
     _load_2d,
-    _load_gathered,
+    _load_a,
+    _load_b,
     _locate,
     _mainloop,
     _store_rows,
@@ -41,30 +42,9 @@ def _mainloop_pair(
     b_base = g.to(tl.int64) * stride_be
     for ki in range(k_iters):
         k = ki * BLOCK_K
-        if a_rows is not None:
-            a_tile = _load_gathered(a, a_rows, k, K, stride_am, stride_ak, BLOCK_K)
-            if USE_TMA:
-                if B_TRANS:
-                    bg = tl.reshape(b.load([g, col_g, k]), [BLOCK_F, BLOCK_K]).T
-                    bl = tl.reshape(b.load([g, col_l, k]), [BLOCK_F, BLOCK_K]).T
-                else:
-                    bg = tl.reshape(b.load([g, k, col_g]), [BLOCK_K, BLOCK_F])
-                    bl = tl.reshape(b.load([g, k, col_l]), [BLOCK_K, BLOCK_F])
-            else:
-                bg = _load_2d(b, b_base, k, col_g, K, N, stride_bk, stride_bn, BLOCK_K, BLOCK_F)
-                bl = _load_2d(b, b_base, k, col_l, K, N, stride_bk, stride_bn, BLOCK_K, BLOCK_F)
-        elif USE_TMA:
-            a_tile = a.load([row, k])
-            if B_TRANS:
-                bg = tl.reshape(b.load([g, col_g, k]), [BLOCK_F, BLOCK_K]).T
-                bl = tl.reshape(b.load([g, col_l, k]), [BLOCK_F, BLOCK_K]).T
-            else:
-                bg = tl.reshape(b.load([g, k, col_g]), [BLOCK_K, BLOCK_F])
-                bl = tl.reshape(b.load([g, k, col_l]), [BLOCK_K, BLOCK_F])
-        else:
-            a_tile = _load_2d(a, 0, row, k, M, K, stride_am, stride_ak, BLOCK_M, BLOCK_K)
-            bg = _load_2d(b, b_base, k, col_g, K, N, stride_bk, stride_bn, BLOCK_K, BLOCK_F)
-            bl = _load_2d(b, b_base, k, col_l, K, N, stride_bk, stride_bn, BLOCK_K, BLOCK_F)
+        a_tile = _load_a(a, a_rows, row, k, M, K, stride_am, stride_ak, BLOCK_M, BLOCK_K, USE_TMA)
+        bg = _load_b(b, b_base, g, k, col_g, K, N, stride_bk, stride_bn, BLOCK_K, BLOCK_F, B_TRANS, USE_TMA)
+        bl = _load_b(b, b_base, g, k, col_l, K, N, stride_bk, stride_bn, BLOCK_K, BLOCK_F, B_TRANS, USE_TMA)
         acc_g = _dot(a_tile, bg, acc_g, DOT_F32)
         acc_l = _dot(a_tile, bl, acc_l, DOT_F32)
     return acc_g, acc_l

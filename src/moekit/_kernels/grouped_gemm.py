@@ -125,6 +125,33 @@ def _locate(tile, e, starts, ends, tiles, tiles_end, tiles_n, BLOCK_M: tl.conste
 
 
 @triton.jit
+def _load_a(a, a_rows, row, k, M, K, stride_am, stride_ak,
+            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr):
+    """The [BLOCK_M, BLOCK_K] A tile at (row, k): gathered rows (``a_rows`` not None), TMA, or pointers."""
+    if a_rows is not None:  # permute-free gather: TMA cannot gather on Hopper, so plain loads
+        tile = _load_gathered(a, a_rows, k, K, stride_am, stride_ak, BLOCK_K)
+    elif USE_TMA:
+        tile = a.load([row, k])
+    else:
+        tile = _load_2d(a, 0, row, k, M, K, stride_am, stride_ak, BLOCK_M, BLOCK_K)
+    return tile
+
+
+@triton.jit
+def _load_b(b, b_base, g, k, col, K, N, stride_bk, stride_bn,
+            BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, B_TRANS: tl.constexpr, USE_TMA: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] tile at (k, col) of expert g's weights b[g] (E, K, N)."""
+    if USE_TMA:
+        if B_TRANS:  # memory is (E, N, K): read [BLOCK_N, BLOCK_K] and transpose
+            tile = tl.reshape(b.load([g, col, k]), [BLOCK_N, BLOCK_K]).T
+        else:
+            tile = tl.reshape(b.load([g, k, col]), [BLOCK_K, BLOCK_N])
+    else:
+        tile = _load_2d(b, b_base, k, col, K, N, stride_bk, stride_bn, BLOCK_K, BLOCK_N)
+    return tile
+
+
+@triton.jit
 def _mainloop(
     a, b, acc, g, row, col, k_iters, M, N, K,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn,
@@ -133,29 +160,12 @@ def _mainloop(
 ):
     """acc += a[row:row+BM, :] @ b[g][:, col:col+BN] over ``k_iters`` steps of BLOCK_K.
 
-    ``a_rows`` (BLOCK_M,) int64 or None: read A's rows from those rows of the pointer ``a`` instead
-    (the permute-free gather; TMA cannot gather on Hopper, so those are plain loads)."""
+    ``a_rows`` (BLOCK_M,) int64 or None: read A's rows from those rows of the pointer ``a`` instead."""
     b_base = g.to(tl.int64) * stride_be
     for ki in range(k_iters):
         k = ki * BLOCK_K
-        if a_rows is not None:
-            a_tile = _load_gathered(a, a_rows, k, K, stride_am, stride_ak, BLOCK_K)
-            if USE_TMA:
-                if B_TRANS:
-                    b_tile = tl.reshape(b.load([g, col, k]), [BLOCK_N, BLOCK_K]).T
-                else:
-                    b_tile = tl.reshape(b.load([g, k, col]), [BLOCK_K, BLOCK_N])
-            else:
-                b_tile = _load_2d(b, b_base, k, col, K, N, stride_bk, stride_bn, BLOCK_K, BLOCK_N)
-        elif USE_TMA:
-            a_tile = a.load([row, k])
-            if B_TRANS:
-                b_tile = tl.reshape(b.load([g, col, k]), [BLOCK_N, BLOCK_K]).T
-            else:
-                b_tile = tl.reshape(b.load([g, k, col]), [BLOCK_K, BLOCK_N])
-        else:
-            a_tile = _load_2d(a, 0, row, k, M, K, stride_am, stride_ak, BLOCK_M, BLOCK_K)
-            b_tile = _load_2d(b, b_base, k, col, K, N, stride_bk, stride_bn, BLOCK_K, BLOCK_N)
+        a_tile = _load_a(a, a_rows, row, k, M, K, stride_am, stride_ak, BLOCK_M, BLOCK_K, USE_TMA)
+        b_tile = _load_b(b, b_base, g, k, col, K, N, stride_bk, stride_bn, BLOCK_K, BLOCK_N, B_TRANS, USE_TMA)
         acc = _dot(a_tile, b_tile, acc, DOT_F32)
     return acc
 

@@ -80,3 +80,21 @@ def environment() -> str:
         f"{datetime.date.today().isoformat()} | {dev} | torch {torch.__version__} | triton {triton.__version__}"
         f" | CUDA {torch.version.cuda}"
     )
+
+
+def run_table(run_shape, table, shapes, *, out_md: str | None = None, progress=None) -> str:
+    """Run ``run_shape(shape, device)`` per shape (names or MoEShape), format with ``table``, and
+    write the markdown to ``out_md``. The shared driver of the block and expert benchmarks."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    known = {**SHAPES, **CPU_SHAPES}
+    shapes = [s if isinstance(s, MoEShape) else known[s] for s in shapes]
+    rows = []
+    for shape in progress(shapes) if progress else shapes:
+        rows.append(run_shape(shape, device))
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    text = table(rows)
+    if out_md:
+        with open(out_md, "w") as fh:
+            fh.write(text + "\n")
+    return text

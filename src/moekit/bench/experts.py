@@ -14,7 +14,7 @@ import torch
 
 from ..layers import GptOssExperts
 from ..testing import rel_errors, routed_counts
-from . import CPU_SHAPES, SHAPES, MoEShape, bench_ms, environment
+from . import MoEShape, bench_ms, environment, run_table
 from .baselines import TorchtitanGptOssExperts
 
 
@@ -123,16 +123,4 @@ def table(rows: list[ExpertRow]) -> str:
 
 
 def main(shapes, out_md: str | None = None, progress=None) -> str:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    known = {**SHAPES, **CPU_SHAPES}
-    shapes = [s if isinstance(s, MoEShape) else known[s] for s in shapes]
-    rows = []
-    for shape in progress(shapes) if progress else shapes:
-        rows.append(run_shape(shape, device))
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    text = table(rows)
-    if out_md:
-        with open(out_md, "w") as fh:
-            fh.write(text + "\n")
-    return text
+    return run_table(run_shape, table, shapes, out_md=out_md, progress=progress)

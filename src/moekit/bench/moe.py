@@ -11,7 +11,7 @@ import torch
 
 from ..layers import MoE
 from ..testing import rel_errors
-from . import CPU_SHAPES, SHAPES, MoEShape, bench_ms, environment
+from . import MoEShape, bench_ms, environment, run_table
 from .baselines import TorchtitanMoE
 from .experts import _saved_bytes
 
@@ -57,12 +57,4 @@ def table(rows) -> str:
 
 
 def main(shapes, out_md: str | None = None, progress=None) -> str:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    known = {**SHAPES, **CPU_SHAPES}
-    shapes = [s if isinstance(s, MoEShape) else known[s] for s in shapes]
-    rows = [run_shape(s, device) for s in (progress(shapes) if progress else shapes)]
-    text = table(rows)
-    if out_md:
-        with open(out_md, "w") as fh:
-            fh.write(text + "\n")
-    return text
+    return run_table(run_shape, table, shapes, out_md=out_md, progress=progress)
