@@ -18,7 +18,7 @@ from moekit import (
 from moekit.bench.baselines import TorchtitanGptOssExperts
 from moekit.epilogue import SwiGLU, swiglu_bwd_torch, swiglu_torch
 from moekit.experts import grouped_colsum
-from moekit.testing import assert_within_baseline, offs_from_counts
+from moekit.testing import assert_within_baseline, offs_from_counts, reference_run
 
 BF16 = torch.bfloat16
 
@@ -110,14 +110,11 @@ def test_forward_and_backward(interpreter, tma_path, counts, m, d, f, variant):
     dy = torch.randn_like(out)
     out.backward(dy)
 
-    def reference(dtype):
-        ls = [_leaf(torch.nan_to_num(t).to(dtype)) for t in (x, w1, b1, w2, b2)]
-        r = _run((grouped_mm_swiglu_ref, grouped_mm_downproj_ref), *ls, offs, kw)
-        r[2].backward(dy.to(dtype))
-        return r, [t.grad for t in ls]
+    def ref_chain(*ls):
+        return _run((grouped_mm_swiglu_ref, grouped_mm_downproj_ref), *ls, offs, kw)
 
-    (h64, aux64, out64), grads64 = reference(torch.float64)
-    (h16, aux16, out16), grads16 = reference(BF16)
+    (h64, aux64, out64), grads64 = reference_run(ref_chain, (x, w1, b1, w2, b2), dy, torch.float64)
+    (h16, aux16, out16), grads16 = reference_run(ref_chain, (x, w1, b1, w2, b2), dy, BF16)
     for name, got, oracle, base in (("aux", aux, aux64, aux16), ("h", h, h64, h16), ("out", out, out64, out16)):
         assert_within_baseline(got, oracle, base, what=name)
     tail = int(offs[-1]) if m else 0
@@ -249,12 +246,12 @@ def test_permute_free_dispatch(interpreter, tma_path, layout):
     dy = torch.randn_like(out)
     out.backward(dy)
 
-    def reference(dtype):
-        ls = [_leaf(v.to(dtype)) for v in (x, w1, b1, w2)]
-        hr, auxr = grouped_mm_swiglu_ref(ls[0][token_idx.long()], ls[1], offs, bias=ls[2], gate_up_layout=layout)
-        grouped_mm_downproj_ref(hr, ls[3], offs, aux_biased_acc=auxr, gate_up_layout=layout).backward(dy.to(dtype))
-        return [v.grad for v in ls]
+    def ref_chain(xr, w1r, b1r, w2r):
+        hr, auxr = grouped_mm_swiglu_ref(xr[token_idx.long()], w1r, offs, bias=b1r, gate_up_layout=layout)
+        return grouped_mm_downproj_ref(hr, w2r, offs, aux_biased_acc=auxr, gate_up_layout=layout)
 
+    inputs = (x, w1, b1, w2)
+    grads64, grads16 = (reference_run(ref_chain, inputs, dy, dtype)[1] for dtype in (torch.float64, BF16))
     for name, got, want, base in zip(("dx", "dw1", "db1", "dw2"), (x.grad, w1.grad, b1.grad, w2.grad),
-                                     reference(torch.float64), reference(BF16), strict=True):
+                                     grads64, grads16, strict=True):
         assert_within_baseline(got, want, base, what=name)

@@ -7,7 +7,7 @@ import torch
 from moekit import GptOssExperts, grouped_mm_downproj, grouped_mm_downproj_ref, grouped_mm_swiglu, grouped_mm_swiglu_ref
 from moekit.bench.baselines import TorchtitanGptOssExperts
 from moekit.experts import _colsum_op, _downproj_op, _dswiglu_op, _swiglu_act_op, _swiglu_op
-from moekit.testing import assert_within_baseline, offs_from_counts, routed_counts
+from moekit.testing import assert_within_baseline, offs_from_counts, reference_run, routed_counts
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -47,14 +47,11 @@ def test_forward_backward_against_float64(tma_path, layout, x_scale):
     dy = torch.randn_like(out)
     out.backward(dy)
 
-    def reference(dtype):
-        ls = [_leaf(torch.nan_to_num(t).to(dtype)) for t in (x, w1, b1, w2, b2)]
-        r = _chain((grouped_mm_swiglu_ref, grouped_mm_downproj_ref), *ls, offs, layout)
-        r[2].backward(dy.to(dtype))
-        return r, [t.grad for t in ls]
+    def ref_chain(*ls):
+        return _chain((grouped_mm_swiglu_ref, grouped_mm_downproj_ref), *ls, offs, layout)
 
-    r64, g64 = reference(torch.float64)
-    r16, g16 = reference(BF16)
+    r64, g64 = reference_run(ref_chain, (x, w1, b1, w2, b2), dy, torch.float64)
+    r16, g16 = reference_run(ref_chain, (x, w1, b1, w2, b2), dy, BF16)
     for name, got, oracle, base in zip(("h", "aux", "out"), (h, aux, out), r64, r16, strict=True):
         assert_within_baseline(got, oracle, base, what=name)
     for name, leaf, a, b in zip(("dx", "dw1", "db1", "dw2", "db2"), leaves, g64, g16, strict=True):

@@ -58,24 +58,12 @@ def _pair_views(t: torch.Tensor, spec: SwiGLU):
     return t, t
 
 
-def _weights(w: torch.Tensor, cfg_block_n: int, block_k: int):
-    """(descriptor or tensor, B_TRANS) for an (E, K, N) weight with unit stride along K or N."""
+def _weight_descriptor(w: torch.Tensor, block_n: int, block_k: int):
+    """TMA descriptor for an (E, K, N) weight with unit stride along N, or along K (then over (E, N, K))."""
     if w.stride(2) == 1:
-        return TensorDescriptor(w, list(w.shape), [w.stride(0), w.stride(1), 1], [1, block_k, cfg_block_n]), False
+        return TensorDescriptor(w, list(w.shape), [w.stride(0), w.stride(1), 1], [1, block_k, block_n])
     e, k, n = w.shape
-    return TensorDescriptor(w, [e, n, k], [w.stride(0), w.stride(2), 1], [1, cfg_block_n, block_k]), True
-
-
-def _launch_common(x, w, out_bytes, n_gemm, epilogue="none", m=None):
-    k = x.shape[1]
-    m = x.shape[0] if m is None else m
-    e = w.shape[0]
-    cfg = config.grouped_mm_config(
-        m // e, n_gemm, k, e, ragged_k=False, tma=config.use_tma(x.device), out_bytes=out_bytes, device=x.device,
-        epilogue=epilogue,
-    )
-    sms = config.num_sms(x.device)
-    return m, k, e, cfg, sms
+    return TensorDescriptor(w, [e, n, k], [w.stride(0), w.stride(2), 1], [1, block_n, block_k])
 
 
 def _tma_views_ok(x, w, tensors) -> bool:
@@ -101,8 +89,11 @@ def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig
     h = config.empty((m, f), dtype=x.dtype, device=x.device)
     if m == 0 or f == 0:
         return h, aux
-    _, _, _, auto, sms = _launch_common(x, w, x.element_size(), two_f, "swiglu", m=m)
-    cfg = cfg or auto
+    sms = config.num_sms(x.device)
+    cfg = cfg or config.grouped_mm_config(
+        m // e, two_f, d, e, ragged_k=False, tma=config.use_tma(x.device), out_bytes=x.element_size(),
+        device=x.device, epilogue="swiglu",
+    )
     aux_a, aux_b = _pair_views(aux, spec)
     tma = d > 0 and _tma_views_ok(x, w, (aux_a, aux_b, h))
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
@@ -111,7 +102,7 @@ def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig
         aux_block = [bm, bf // 2] if spec.halves else [bm, bn // 2]
         args = (
             TensorDescriptor(x, [m, d], [x.stride(0), 1], [bm, bk]) if token_idx is None else x,
-            _weights(w, bf if spec.halves else bn, bk)[0],
+            _weight_descriptor(w, bf if spec.halves else bn, bk),
             _row_bounded(aux_a, aux_block),
             _row_bounded(aux_b, aux_block),
             _row_bounded(h, [bm, bf // 2]),

@@ -86,3 +86,16 @@ def assert_within_baseline(
     assert o_rms <= factor * b_rms + 1e-3 and o_max <= factor * b_max + 4e-3, (
         f"{what}: max-rel {o_max:.3g} vs baseline {b_max:.3g}, rms-rel {o_rms:.3g} vs baseline {b_rms:.3g}"
     )
+
+
+def reference_run(fn, inputs, grad_out, dtype):
+    """Run ``fn(*leaves)`` on ``inputs`` cast to ``dtype`` (NaN -> 0; None stays None), backpropagate
+    ``grad_out`` through its last output, and return (outputs, input gradients).
+
+    With ``dtype=float64`` this is the oracle; with the inputs' own dtype it is the PyTorch baseline
+    that ``assert_within_baseline`` holds a kernel's error to."""
+    leaves = [None if t is None else torch.nan_to_num(t.detach()).to(dtype).requires_grad_() for t in inputs]
+    outputs = fn(*leaves)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    outputs[-1].backward(grad_out.to(dtype))
+    return outputs, [None if t is None else t.grad for t in leaves]
