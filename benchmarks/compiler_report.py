@@ -32,7 +32,7 @@ CONFIGS = {
 }
 
 
-def _signature(kernel, cfg: TileConfig, tma: bool, b_trans: bool):
+def _signature(kernel, cfg: TileConfig, tma: bool, b_trans: bool, ones_row: bool = False):
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     cn = bn // 2 if cfg.split_store else bn
     ragged_k = kernel is _grouped_mm_ragged_k_kernel
@@ -49,6 +49,10 @@ def _signature(kernel, cfg: TileConfig, tma: bool, b_trans: bool):
                  DOT_F32=False, FLATTEN=cfg.flatten)
     if not ragged_k:
         const.update(BLOCK_E=64, B_TRANS=b_trans, bias=None)
+    elif ones_row:
+        descs["colsum"] = "*fp32"
+    else:
+        const["colsum"] = None
     sig = {}
     for name in kernel.arg_names:
         sig[name] = descs.get(name) or ("*i32" if name == "offs_ptr" else "constexpr" if name in const else "i32")
@@ -73,9 +77,9 @@ def _expert_signature(kernel, cfg: TileConfig, halves: bool):
     return sig, const
 
 
-def report(kernel, cfg, tma, b_trans=False, halves=None):
+def report(kernel, cfg, tma, b_trans=False, halves=None, ones_row=False):
     if halves is None:
-        sig, const = _signature(kernel, cfg, tma, b_trans)
+        sig, const = _signature(kernel, cfg, tma, b_trans, ones_row)
     else:
         sig, const = _expert_signature(kernel, cfg, halves)
     compiled = triton.compile(
@@ -112,11 +116,12 @@ def main():
             (_grouped_mm_ragged_m_kernel, "tma b=(E,K,N)", True, False),
             (_grouped_mm_ragged_m_kernel, "pointers", False, False),
             (_grouped_mm_ragged_k_kernel, "tma", True, False),
+            (_grouped_mm_ragged_k_kernel, "tma ones-row", True, False),
             (_grouped_mm_ragged_k_kernel, "pointers", False, False),
         ]
         for kernel, path, tma, b_trans in variants:
             try:
-                cells = report(kernel, cfg, tma, b_trans)
+                cells = report(kernel, cfg, tma, b_trans, ones_row="ones-row" in path)
             except Exception as exc:  # report, don't stop: a config may not fit shared memory
                 cells = (f"error: {str(exc).splitlines()[0][:60]}",) + ("",) * 4
             name = kernel.__name__.replace("_grouped_mm_", "")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, config sweep, benchmark (the compiler report runs anywhere: benchmarks/compiler_report.py). Writes logs and tables to $OUT.
-#   bash benchmarks/run_gpu.sh [tests] [sweep] [bench]   (default: all three)
+#   bash benchmarks/run_gpu.sh [tests] [sweep] [bench] [experts] [profile]   (default: the first three)
+#   experts: the expert-MLP table alone; profile: per-kernel times of one gpt-oss-20b and -120b step
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out}
@@ -15,5 +16,7 @@ for step in $steps; do
     tests) python3 -m pytest -m gpu -q -x tests 2>&1 | tee "$OUT/pytest.log" | tail -30 ;;
     sweep) python3 benchmarks/sweep_grouped_mm.py ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.md" ;;
     bench) python3 -m moekit bench --out "$OUT" 2>&1 | grep -v "it/s\]" | tee "$OUT/bench.log" ;;
+    experts) python3 -m moekit bench --only experts --out "$OUT" 2>&1 | grep -v "it/s\]" | tee "$OUT/experts.log" ;;
+    profile) for s in gpt-oss-20b gpt-oss-120b; do python3 benchmarks/profile_experts.py --shape $s; done 2>&1 | tee "$OUT/profile.log" ;;
   esac
 done

@@ -4,9 +4,16 @@ opcheck, torch.compile, CUDA graphs and no host sync."""
 import pytest
 import torch
 
-from moekit import GptOssExperts, grouped_mm_downproj, grouped_mm_downproj_ref, grouped_mm_swiglu, grouped_mm_swiglu_ref
+from moekit import (
+    GptOssExperts,
+    expert_mlp,
+    grouped_mm_downproj,
+    grouped_mm_downproj_ref,
+    grouped_mm_swiglu,
+    grouped_mm_swiglu_ref,
+)
 from moekit.bench.baselines import TorchtitanGptOssExperts
-from moekit.experts import _colsum_op, _downproj_op, _dswiglu_op, _swiglu_act_op, _swiglu_op
+from moekit.experts import _colsum_op, _downproj_bwd_op, _downproj_op, _swiglu_act_op, _swiglu_op
 from moekit.testing import assert_within_baseline, offs_from_counts, reference_run, routed_counts
 
 pytestmark = pytest.mark.gpu
@@ -35,15 +42,31 @@ def _chain(fns, x, w1, b1, w2, b2, offs, layout):
     return h, aux, fns[1](h, w2, offs, bias=b2, aux_biased_acc=aux, gate_up_layout=layout)
 
 
+def _one_node(x, w1, b1, w2, b2, offs, layout):
+    return (expert_mlp(x, w1, w2, offs, b_up=b1, b_down=b2, gate_up_layout=layout),)
+
+
 @pytest.mark.parametrize("layout", ["interleaved", "halves"])
 @pytest.mark.parametrize("x_scale", [1.0, 6.0], ids=["normal", "clamp-heavy"])
-def test_forward_backward_against_float64(tma_path, layout, x_scale):
+@pytest.mark.parametrize(
+    "form, f",
+    [
+        pytest.param("two-op", 1000, id="two-op"),
+        pytest.param("one-node", 1000, id="one-node-ones-col"),  # db_down from the dW_down GEMM
+        pytest.param("one-node", 1024, id="one-node-colsum"),  # F % 128 == 0: the column-sum pass
+    ],
+)
+def test_forward_backward_against_float64(tma_path, layout, x_scale, form, f):
     counts = routed_counts(2048, 8, 4, skew=3.0).tolist()
     counts[1] = 0
     rows = sum(counts) + 40  # rows past offs[-1]
-    x, w1, b1, w2, b2, offs = _inputs(counts, rows, 1024, 1000, x_scale=x_scale)
+    x, w1, b1, w2, b2, offs = _inputs(counts, rows, 1024, f, x_scale=x_scale)
     leaves = [_leaf(t) for t in (x, w1, b1, w2, b2)]
-    h, aux, out = _chain((grouped_mm_swiglu, grouped_mm_downproj), *leaves, offs, layout)
+    if form == "two-op":
+        outs = _chain((grouped_mm_swiglu, grouped_mm_downproj), *leaves, offs, layout)
+    else:
+        outs = _one_node(*leaves, offs, layout)
+    out = outs[-1]
     dy = torch.randn_like(out)
     out.backward(dy)
 
@@ -52,7 +75,8 @@ def test_forward_backward_against_float64(tma_path, layout, x_scale):
 
     r64, g64 = reference_run(ref_chain, (x, w1, b1, w2, b2), dy, torch.float64)
     r16, g16 = reference_run(ref_chain, (x, w1, b1, w2, b2), dy, BF16)
-    for name, got, oracle, base in zip(("h", "aux", "out"), (h, aux, out), r64, r16, strict=True):
+    for name, got, oracle, base in zip(("h", "aux", "out")[-len(outs):], outs, r64[-len(outs):], r16[-len(outs):],
+                                       strict=True):
         assert_within_baseline(got, oracle, base, what=name)
     for name, leaf, a, b in zip(("dx", "dw1", "db1", "dw2", "db2"), leaves, g64, g16, strict=True):
         assert_within_baseline(leaf.grad, a, b, what=name)
@@ -69,7 +93,7 @@ def _module_step(ex, x, counts, dy):
 
 def _module_case():
     torch.manual_seed(3)
-    ex = GptOssExperts(512, 384, 8, device=DEV, dtype=BF16)
+    ex = GptOssExperts(512, 320, 8, device=DEV, dtype=BF16)  # F % 128 != 0: db_down rides on dW_down
     counts = routed_counts(1024, 8, 4, device=DEV)
     x = torch.randn(4096, 512, device=DEV, dtype=BF16, requires_grad=True)
     return ex, x, counts, torch.randn(4096, 512, device=DEV, dtype=BF16)
@@ -85,7 +109,7 @@ def test_module_matches_torchtitan_baseline_and_saves_less():
     m1 = torch.cuda.memory_allocated()
     ref = base(x, counts)
     saved_base = torch.cuda.memory_allocated() - m1 - ref.numel() * ref.element_size()
-    ex32 = GptOssExperts(512, 384, 8, device=DEV, dtype=torch.float32)
+    ex32 = GptOssExperts(512, 320, 8, device=DEV, dtype=torch.float32)
     ex32.load_state_dict({k: v.float() for k, v in ex.state_dict().items()})
     oracle = TorchtitanGptOssExperts(ex32)(x.detach().float(), counts)
     assert_within_baseline(out, oracle, ref, what="module")
@@ -155,6 +179,7 @@ def test_opcheck():
     h, aux = _swiglu_op(x, w1, offs, b1, None, None, *spec)
     torch.library.opcheck(_downproj_op, (h.detach(), _leaf(w2), offs, _leaf(b2), _leaf(aux), *spec))
     dy = torch.randn(1024, 256, device=DEV, dtype=BF16)
-    torch.library.opcheck(_dswiglu_op, (dy, w2, offs, aux, *spec))
+    torch.library.opcheck(_downproj_bwd_op, (dy, w2, offs, aux, True, True, True, *spec))
+    torch.library.opcheck(_downproj_bwd_op, (dy, w2, offs, aux, False, True, False, *spec))
     torch.library.opcheck(_colsum_op, (dy, offs))
     torch.library.opcheck(_swiglu_act_op, (_leaf(aux), *spec))

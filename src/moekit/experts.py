@@ -24,18 +24,24 @@ import triton.language as tl
 
 from . import config
 from ._kernels.epilogue import _swiglu_bwd_kernel, _swiglu_kernel
-from ._kernels.experts import _grouped_colsum_kernel, _grouped_mm_swiglu_kernel
+from ._kernels.experts import (
+    _grouped_colsum_kernel,
+    _grouped_dswiglu_kernel,
+    _grouped_mm_swiglu_kernel,
+    _tile_colsum_kernel,
+)
 from .epilogue import SwiGLU
 from .grouped_gemm import (
     _check_layout,
     _grouped_mm_op,
     _matrix_ready,
+    _ragged_k,
     _ragged_m,
     _row_bounded,
     _tma_ok,
     grouped_mm_fwd,
 )
-from .reference import grouped_mm_downproj_ref, grouped_mm_swiglu_ref, swiglu_ref
+from .reference import expert_mlp_ref, grouped_mm_downproj_ref, grouped_mm_swiglu_ref, swiglu_ref
 from .routing import _gather_bwd_op
 
 try:
@@ -124,12 +130,21 @@ def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig
     return h, aux
 
 
-def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU):
+_DSWIGLU_ROWS = 128  # rows per tile of the SwiGLU-backward pass: one bias partial sum per tile
+_ONES_ROW_TILE = 128  # the wgrad's block_m: h's ones column is free when F leaves a partial tile
+
+
+def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = False, bias_sums: bool = False):
     """Down-projection dgrad followed by the SwiGLU backward.
 
-    grad (M, D) = dOut, w (E, F, D) the down weight, aux (M, 2F) -> (d_aux (M, 2F), h (M, F)):
+    grad (M, D) = dOut, w (E, F, D) the down weight, aux (M, 2F) -> (d_aux (M, 2F), h, db_up):
     dH = grad @ w[g]^T (one grouped GEMM, 128x256 tiles), then one bandwidth-bound pass reads aux and
     dH and writes d_aux = dSwiGLU(aux) * dH and the recomputed h = SwiGLU(aux) that dW_down needs.
+
+    - ``h`` is (M, F); with ``ones_col`` it is a (M, F + 1) view of a row-padded buffer whose last
+      column is ones, so that ``h^T @ dOut`` also yields db_down (``_ragged_k(..., ones_row=True)``).
+    - ``db_up`` (E, 2F) fp32 = per-expert column sums of d_aux (before rounding) when ``bias_sums``,
+      else None: the pass adds up each tile's rows while it writes them, so d_aux is not read again.
 
     Why not the GEMM's epilogue: measured on an H100 at gpt-oss-20b, fusing it there costs 4.28 ms
     against 2.32 ms + ~1.2 ms this way. The epilogue moves 2.8 GB that Triton 3.6's non-warp-specialized
@@ -137,7 +152,51 @@ def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU):
     tiles (bench/NOTES.md). Warp specialization would change that verdict.
     """
     dh = grouped_mm_fwd(grad, w.mT, offs)
-    return swiglu_bwd(aux, dh, spec, with_h=True)
+    m, two_f = aux.shape
+    f, e = two_f // 2, offs.numel()
+    d_aux = config.empty((m, two_f), dtype=aux.dtype, device=aux.device)
+    width = f + 1 if ones_col else f
+    h = config.empty((m, triton.cdiv(width, 8) * 8), dtype=aux.dtype, device=aux.device)[:, :width]
+    interp = config.is_interpreting()
+    block_m, block_r, block_f = (16, 8, 16) if interp else (_DSWIGLU_ROWS, 32, 64)
+    tiles = triton.cdiv(m, block_m) + e + 1  # an upper bound: each group adds <= 1 partial tile
+    part = config.empty((tiles, two_f), dtype=torch.float32, device=aux.device) if bias_sums else None
+    block_e = triton.next_power_of_2(e + 1)
+    if m and width:
+        _grouped_dswiglu_kernel[(tiles, triton.cdiv(width, block_f))](
+            aux, dh, d_aux, h, part, offs,
+            m, f, e,
+            aux.stride(0), dh.stride(0), d_aux.stride(0), h.stride(0), part.stride(0) if bias_sums else 0,
+            **spec.constexprs(), ONES_COL=ones_col,
+            BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_F=block_f, BLOCK_E=block_e, num_warps=4,
+        )
+    db_up = None
+    if bias_sums:
+        db_up = config.empty((e, two_f), dtype=torch.float32, device=aux.device)
+        if two_f:
+            block_c = 32 if interp else 256
+            _tile_colsum_kernel[(triton.cdiv(two_f, block_c), e)](
+                part, offs, db_up, m, two_f, e, part.stride(0), db_up.stride(0),
+                BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_C=block_c, num_warps=4,
+            )
+    return d_aux, h, db_up
+
+
+def downproj_bwd(grad, w, offs, aux, spec: SwiGLU, *, need_w: bool, need_b: bool, up_bias_sums: bool):
+    """Backward of the fused down-projection: grad (M, D), w (E, F, D), aux (M, 2F) ->
+    (d_aux (M, 2F), dW_down (E, F, D) or None, db_down (E, D) fp32 or None, db_up (E, 2F) fp32 or None).
+
+    db_down rides on the dW_down GEMM through h's ones column when F leaves that GEMM a partial row
+    tile (then the extra row is free); otherwise it is a column-sum pass over dOut."""
+    f = aux.shape[1] // 2
+    ones = need_w and need_b and f % _ONES_ROW_TILE != 0
+    d_aux, h, db_up = grouped_mm_dswiglu(grad, w, offs, aux, spec, ones_col=ones, bias_sums=up_bias_sums)
+    if ones:
+        dw, db = _ragged_k(h.mT, grad, offs, grad.dtype, None, ones_row=True)
+    else:
+        dw = grouped_mm_fwd(h.mT, grad, offs) if need_w else None
+        db = grouped_colsum(grad, offs) if need_b else None
+    return d_aux, dw, db, db_up
 
 
 def grouped_colsum(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -169,16 +228,15 @@ def swiglu_fwd(pre: torch.Tensor, spec: SwiGLU) -> torch.Tensor:
     return h
 
 
-def swiglu_bwd(pre: torch.Tensor, dh: torch.Tensor, spec: SwiGLU, *, with_h: bool = False):
-    """d(pre) (M, 2F) from pre (M, 2F) and dh (M, F); with ``with_h``, also the recomputed h (M, F)."""
+def swiglu_bwd(pre: torch.Tensor, dh: torch.Tensor, spec: SwiGLU) -> torch.Tensor:
+    """d(pre) (M, 2F) from pre (M, 2F) and dh (M, F): the standalone SwiGLU's backward."""
     m, two_f = pre.shape
     dpre = config.empty((m, two_f), dtype=pre.dtype, device=pre.device)
-    h = config.empty((m, two_f // 2), dtype=pre.dtype, device=pre.device) if with_h else None
     if dpre.numel():
         grid, blocks = _elementwise_grid(m, two_f // 2)
-        _swiglu_bwd_kernel[grid](pre, dh, dpre, h, m, two_f // 2, pre.stride(0), dh.stride(0), dpre.stride(0),
-                                 h.stride(0) if with_h else 0, **spec.constexprs(), **blocks)
-    return (dpre, h) if with_h else dpre
+        _swiglu_bwd_kernel[grid](pre, dh, dpre, m, two_f // 2, pre.stride(0), dh.stride(0), dpre.stride(0),
+                                 **spec.constexprs(), **blocks)
+    return dpre
 
 
 # --------------------------------------------------------------------------------------------------
@@ -245,17 +303,31 @@ def _(x, w, offs, bias, token_idx, row_of, alpha, limit, linear_offset, layout):
     return x.new_empty((rows, two_f // 2)), x.new_empty((rows, two_f))
 
 
-@torch.library.custom_op("moekit::grouped_mm_dswiglu", mutates_args=())
-def _dswiglu_op(
+@torch.library.custom_op("moekit::grouped_mm_downproj_bwd", mutates_args=())
+def _downproj_bwd_op(
     grad: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, aux: torch.Tensor,
+    need_w: bool, need_b: bool, up_bias_sums: bool,
     alpha: float, limit: float | None, linear_offset: float, layout: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return grouped_mm_dswiglu(grad, w, offs, aux, _spec(alpha, limit, linear_offset, layout))
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    outs = downproj_bwd(grad, w, offs, aux, _spec(alpha, limit, linear_offset, layout),
+                        need_w=need_w, need_b=need_b, up_bias_sums=up_bias_sums)
+    return tuple(grad.new_empty(0) if t is None else t for t in outs)  # custom ops return no None
 
 
-@_dswiglu_op.register_fake
-def _(grad, w, offs, aux, alpha, limit, linear_offset, layout):
-    return torch.empty_like(aux), aux.new_empty((aux.shape[0], aux.shape[1] // 2))
+@_downproj_bwd_op.register_fake
+def _(grad, w, offs, aux, need_w, need_b, up_bias_sums, alpha, limit, linear_offset, layout):
+    e, f, d = w.shape
+    fp32 = dict(dtype=torch.float32)
+    return (
+        torch.empty_like(aux),
+        w.new_empty((e, f, d) if need_w else (0,), dtype=grad.dtype),
+        grad.new_empty((e, d) if need_b else (0,), **fp32),
+        grad.new_empty((e, 2 * f) if up_bias_sums else (0,), **fp32),
+    )
+
+
+def _present(t: torch.Tensor, wanted: bool):
+    return t if wanted else None
 
 
 @torch.library.custom_op("moekit::grouped_colsum", mutates_args=())
@@ -299,14 +371,8 @@ def _swiglu_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused h must arrive as None, not as zeros
 
 
-def _swiglu_backward(ctx, grad_h, grad_aux):
-    if grad_h is not None:
-        raise RuntimeError(_CONTRACT)
-    x, w, offs, bias, token_idx, row_of = ctx.saved_tensors
-    if grad_aux is None:
-        return (None,) * 10
-    d_aux = _matrix_ready(grad_aux)
-    need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
+def _up_grads(d_aux, x, w, offs, token_idx, row_of, need_x: bool, need_w: bool):
+    """dX (T or M, D) and dW_up (E, D, 2F) of the up-projection from d_aux (M, 2F)."""
     grad_x = _grouped_mm_op(d_aux, w.mT, offs, None) if need_x else None
     if token_idx is None:
         grad_w = _grouped_mm_op(x.mT, d_aux, offs, None) if need_w else None
@@ -315,6 +381,18 @@ def _swiglu_backward(ctx, grad_h, grad_aux):
         # dW_up re-gathers x's token rows into a transient copy: a gathered (pointer-loaded) A^T in the
         # wgrad GEMM measured 2.7 ms slower per gpt-oss-20b step than this ~0.4 ms copy plus TMA loads.
         grad_w = _grouped_mm_op(x.index_select(0, token_idx).mT, d_aux, offs, None) if need_w else None
+    return grad_x, grad_w
+
+
+def _swiglu_backward(ctx, grad_h, grad_aux):
+    if grad_h is not None:
+        raise RuntimeError(_CONTRACT)
+    x, w, offs, bias, token_idx, row_of = ctx.saved_tensors
+    if grad_aux is None:
+        return (None,) * 10
+    d_aux = _matrix_ready(grad_aux)
+    need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
+    grad_x, grad_w = _up_grads(d_aux, x, w, offs, token_idx, row_of, need_x, need_w)
     grad_b = _bias_grad(d_aux, offs, bias) if need_b else None
     return grad_x, grad_w, None, grad_b, None, None, None, None, None, None
 
@@ -336,17 +414,47 @@ def _downproj_backward(ctx, grad):
     need_h, need_w, _, need_b, need_aux = ctx.needs_input_grad[:5]
     grad_h = grad_aux = None
     if ctx.fused:
-        grad_aux, h = _dswiglu_op(grad, w, offs, saved, *ctx.spec)
-        grad_aux = grad_aux if need_aux else None
+        d_aux, grad_w, grad_b, _ = _downproj_bwd_op(grad, w, offs, saved, need_w, need_b, False, *ctx.spec)
+        grad_aux, grad_w, grad_b = _present(d_aux, need_aux), _present(grad_w, need_w), _present(grad_b, need_b)
+        grad_b = grad_b.to(bias.dtype) if need_b else None
     else:
-        h = saved
         grad_h = _grouped_mm_op(grad, w.mT, offs, None) if need_h else None
-    grad_w = _grouped_mm_op(h.mT, grad, offs, None) if need_w else None
-    grad_b = _bias_grad(grad, offs, bias) if need_b else None
+        grad_w = _grouped_mm_op(saved.mT, grad, offs, None) if need_w else None
+        grad_b = _bias_grad(grad, offs, bias) if need_b else None
     return grad_h, grad_w, None, grad_b, grad_aux, None, None, None, None
 
 
 _downproj_op.register_autograd(_downproj_backward, setup_context=_downproj_setup)
+
+
+class ExpertMLPFn(torch.autograd.Function):
+    """``expert_mlp`` as one autograd node: the forward runs the two fused ops; the backward can then
+    take db_up from the SwiGLU-backward pass (``up_bias_sums``) instead of re-reading d_aux."""
+
+    @staticmethod
+    def forward(ctx, x, w_up, b_up, w_down, b_down, offs, token_idx, row_of, alpha, limit, linear_offset, layout):
+        spec = (alpha, limit, linear_offset, layout)
+        h, aux = _swiglu_op(x, w_up, offs, b_up, token_idx, row_of, *spec)
+        out = _downproj_op(h, w_down, offs, b_down, aux, *spec)
+        ctx.save_for_backward(x, w_up, w_down, offs, aux, token_idx, row_of)
+        ctx.spec = spec
+        ctx.bias_dtypes = (None if b_up is None else b_up.dtype, None if b_down is None else b_down.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w_up, w_down, offs, aux, token_idx, row_of = ctx.saved_tensors
+        need_x, need_wu, need_bu, need_wd, need_bd = ctx.needs_input_grad[:5]
+        grad = _matrix_ready(grad.to(aux.dtype))
+        d_aux, grad_wd, grad_bd, grad_bu = _downproj_bwd_op(
+            grad, w_down, offs, aux, need_wd, need_bd, need_bu, *ctx.spec
+        )
+        grad_x, grad_wu = _up_grads(d_aux, x, w_up, offs, token_idx, row_of, need_x, need_wu)
+        dt_bu, dt_bd = ctx.bias_dtypes
+        grad_bu = grad_bu.to(dt_bu) if need_bu else None
+        grad_bd = grad_bd.to(dt_bd) if need_bd else None
+        return (grad_x, grad_wu, grad_bu, _present(grad_wd, need_wd), grad_bd) + (None,) * 7
+
 
 # --------------------------------------------------------------------------------------------------
 # public ops
@@ -368,6 +476,15 @@ def _check_expert_inputs(name, x, w, offs, bias, n_bias):
         raise ValueError(f"{name}: bias must be (E, N) = ({w.shape[0]}, {n_bias}) with unit column stride")
     _check_layout("x", x)
     _check_layout("w", w)
+
+
+def _check_token_idx(name, x, token_idx, row_of):
+    if (token_idx is None) != (row_of is None):
+        raise ValueError(f"{name}: token_idx and row_of go together (both from topk_router)")
+    if token_idx is not None:
+        ok = token_idx.dtype == row_of.dtype == torch.int32 and token_idx.dim() == 1 and row_of.dim() == 2
+        if not ok or row_of.shape[0] != x.shape[0] or token_idx.numel() != row_of.numel():
+            raise ValueError(f"{name}: token_idx (R,) and row_of (T, K) must be int32 with R = T*K")
 
 
 def grouped_mm_swiglu(
@@ -403,12 +520,7 @@ def grouped_mm_swiglu(
     _check_expert_inputs("grouped_mm_swiglu", x, w_up, offs, bias, w_up.shape[2])
     if w_up.shape[2] % 2:
         raise ValueError(f"grouped_mm_swiglu: w_up's last dim must be 2F (even), got {w_up.shape[2]}")
-    if (token_idx is None) != (row_of is None):
-        raise ValueError("grouped_mm_swiglu: token_idx and row_of go together (both from topk_router)")
-    if token_idx is not None:
-        ok = token_idx.dtype == row_of.dtype == torch.int32 and token_idx.dim() == 1 and row_of.dim() == 2
-        if not ok or row_of.shape[0] != x.shape[0] or token_idx.numel() != row_of.numel():
-            raise ValueError("grouped_mm_swiglu: token_idx (R,) and row_of (T, K) must be int32 with R = T*K")
+    _check_token_idx("grouped_mm_swiglu", x, token_idx, row_of)
     if not config.uses_triton(x.device):
         rows = x if token_idx is None else x[token_idx.long()]
         return grouped_mm_swiglu_ref(rows, w_up, offs, bias=bias, **_spec_kwargs(spec))
@@ -444,6 +556,49 @@ def grouped_mm_downproj(
             h, w_down, offs, bias=bias, aux_biased_acc=aux_biased_acc, **_spec_kwargs(spec)
         )
     return _downproj_op(h, w_down, offs, bias, aux_biased_acc, *_spec_args(spec))
+
+
+def expert_mlp(
+    x: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    offs: torch.Tensor,
+    *,
+    b_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float | None = 7.0,
+    swiglu_linear_offset: float = 1.0,
+    gate_up_layout: str = "interleaved",
+    token_idx: torch.Tensor | None = None,
+    row_of: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The whole SwiGLU expert MLP: ``grouped_mm_downproj(grouped_mm_swiglu(x, ...), ...)`` as one op.
+
+    x (M, D), or the (T, D) tokens with ``token_idx`` / ``row_of`` (permute-free, see
+    :func:`grouped_mm_swiglu`); w_up (E, D, 2F); w_down (E, F, D); b_up (E, 2F), b_down (E, D) or
+    None; offs (E,) int32. Returns (M, D) (M = R with ``token_idx``), zero past offs[-1]. The forward
+    and the saved state (aux only) are those of the two-op form. As one autograd node, the backward
+    also fuses across the two projections: db_up comes out of the SwiGLU-backward pass, which is the
+    pass that writes d_aux, rather than from a second read of d_aux.
+    """
+    spec = SwiGLU(swiglu_alpha, swiglu_limit, swiglu_linear_offset, gate_up_layout)
+    _check_expert_inputs("expert_mlp", x, w_up, offs, b_up, w_up.shape[2])
+    e, d, two_f = w_up.shape
+    if two_f % 2 or w_down.dim() != 3 or tuple(w_down.shape) != (e, two_f // 2, d):
+        raise ValueError(f"expert_mlp: w_up {tuple(w_up.shape)} and w_down {tuple(w_down.shape)} must be "
+                         f"(E, D, 2F) and (E, F, D)")
+    if w_down.dtype != x.dtype or w_down.device != x.device:
+        raise TypeError(f"expert_mlp: w_down must match x's dtype and device, got {w_down.dtype} on {w_down.device}")
+    if b_down is not None and (b_down.shape != (e, d) or b_down.stride(-1) != 1 or b_down.device != x.device):
+        raise ValueError(f"expert_mlp: b_down must be (E, D) = ({e}, {d}) with unit column stride, on x's device")
+    _check_layout("w_down", w_down)
+    _check_token_idx("expert_mlp", x, token_idx, row_of)
+    kw = _spec_kwargs(spec)
+    if not config.uses_triton(x.device):
+        rows = x if token_idx is None else x[token_idx.long()]
+        return expert_mlp_ref(rows, w_up, w_down, offs, b_up=b_up, b_down=b_down, **kw)
+    return ExpertMLPFn.apply(x, w_up, b_up, w_down, b_down, offs, token_idx, row_of, *_spec_args(spec))
 
 
 def swiglu(

@@ -178,14 +178,20 @@ def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None, bias=None):
     return out
 
 
-def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None):
-    """2D x 2D: a (M, Kt), b (Kt, N), offs over Kt -> (E, M, N); empty groups are zero."""
+def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None, *, ones_row: bool = False):
+    """2D x 2D: a (M, Kt), b (Kt, N), offs over Kt -> (E, M, N); empty groups are zero.
+
+    ``ones_row``: a's last row holds ones; returns ``(out (E, M - 1, N), colsum (E, N) fp32)``, the
+    product without that row and the per-group column sums of b that it yields."""
     (m, kt), n, e = a.shape, b.shape[1], offs.numel()
-    out = config.empty((e, m, n), dtype=out_dtype, device=a.device)
+    out = config.empty((e, m - ones_row, n), dtype=out_dtype, device=a.device)
+    colsum = config.empty((e, n), dtype=torch.float32, device=a.device) if ones_row else None
+    result = (out, colsum) if ones_row else out
     if m == 0 or n == 0:
-        return out
+        return result
     if kt == 0:
-        return out.zero_()
+        out.zero_()
+        return (out, colsum.zero_()) if ones_row else out
     # TMA bounds the ragged reduction dim only on a memory-row axis: a's unit stride must run along
     # M and b's along N (the layout autograd hands over: x.mT and dy). Otherwise the pointer path.
     tma = (
@@ -202,22 +208,22 @@ def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None):
     if tma:
         a_arg = _row_bounded(a.mT, [bk, bm])
         b_arg = _row_bounded(b, [bk, bn])
-        c_arg = TensorDescriptor(out, [e, m, n], [out.stride(0), out.stride(1), 1],
+        c_arg = TensorDescriptor(out, list(out.shape), [out.stride(0), out.stride(1), 1],
                                  [1, bm, bn // 2 if cfg.split_store else bn])
     else:
         a_arg, b_arg, c_arg = a, b, out
     programs = min(config.num_sms(a.device) * cfg.programs_per_sm, e * triton.cdiv(m, bm) * triton.cdiv(n, bn))
     _grouped_mm_ragged_k_kernel[(programs,)](
-        a_arg, b_arg, c_arg, offs,
+        a_arg, b_arg, c_arg, offs, colsum,
         m, n, kt, e,
         a.stride(0), a.stride(1),
         b.stride(0), b.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), colsum.stride(0) if ones_row else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
         USE_TMA=tma, DOT_F32=config.is_interpreting(), FLATTEN=cfg.flatten, SPLIT_STORE=cfg.split_store,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return out
+    return result
 
 
 def grouped_mm_fwd(a, b, offs, out_dtype=None, cfg: config.TileConfig | None = None):

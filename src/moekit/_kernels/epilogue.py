@@ -1,8 +1,9 @@
 """Epilogue device functions shared by the fused GEMMs and the standalone kernels, plus those kernels.
 
 The SwiGLU math lives here once: ``swiglu_apply`` is called by the up-projection's epilogue and by
-``_swiglu_kernel``; ``swiglu_apply_bwd`` by ``_swiglu_bwd_kernel``, which the down-projection's
-backward runs right after its dgrad GEMM. Their torch twins are in ``moekit.epilogue``.
+``_swiglu_kernel``; ``swiglu_apply_bwd`` by ``_swiglu_bwd_kernel`` and by the grouped pass that the
+down-projection's backward runs right after its dgrad GEMM (``_kernels/experts.py``). Their torch
+twins are in ``moekit.epilogue``.
 """
 
 import triton
@@ -105,7 +106,7 @@ def _swiglu_kernel(
 
 @triton.jit
 def _swiglu_bwd_kernel(
-    pre, dh, dpre, h, M, F, stride_pre_m, stride_dh_m, stride_dpre_m, stride_h_m,  # pre, dpre (M, 2F); dh, h (M, F)
+    pre, dh, dpre, M, F, stride_pre_m, stride_dh_m, stride_dpre_m,  # pre, dpre (M, 2F); dh (M, F)
     ALPHA: tl.constexpr, LIMIT: tl.constexpr, OFFSET: tl.constexpr, HALVES: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
 ):
@@ -116,7 +117,5 @@ def _swiglu_bwd_kernel(
     cols = j + tl.arange(0, BLOCK_F)
     mask = (rows[:, None] >= 0) & (cols[None, :] < F)
     grad = tl.load(dh + rows[:, None].to(tl.int64) * stride_dh_m + cols[None, :], mask=mask, other=0.0)
-    dg, dl, out = swiglu_apply_bwd(gate, lin, grad.to(tl.float32), ALPHA, LIMIT, OFFSET)
+    dg, dl, _ = swiglu_apply_bwd(gate, lin, grad.to(tl.float32), ALPHA, LIMIT, OFFSET)
     _store_pairs(dpre, rows, j, F, stride_dpre_m, dg, dl, BLOCK_R, BLOCK_F, HALVES)
-    if h is not None:  # the recomputed forward value, for a weight gradient that needs it
-        tl.store(h + rows[:, None].to(tl.int64) * stride_h_m + cols[None, :], out.to(h.dtype.element_ty), mask=mask)

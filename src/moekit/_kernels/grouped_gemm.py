@@ -247,11 +247,12 @@ def _grouped_mm_ragged_m_kernel(
 # --------------------------------------------------------------------------------------------------
 @triton.jit
 def _grouped_mm_ragged_k_kernel(
-    a, b, c, offs_ptr,  # a (M, Kt); b (Kt, N); c (E, M, N); offs (E,) int32 cumulative ends along Kt
+    a, b, c, offs_ptr,  # a (M, Kt); b (Kt, N); c (E, M, N) or (E, M - 1, N); offs (E,) int32 cumulative ends along Kt
+    colsum,  # None, or (E, N) fp32: a's last row is all ones, and its output row goes here, not to c
     M, N, KT, E,
     stride_am, stride_ak,
     stride_bk, stride_bn,
-    stride_ce, stride_cm, stride_cn,
+    stride_ce, stride_cm, stride_cn, stride_colsum_e,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, FLATTEN: tl.constexpr, SPLIT_STORE: tl.constexpr,
@@ -259,7 +260,10 @@ def _grouped_mm_ragged_k_kernel(
     # On the TMA path the launcher hands over a with its unit stride along M and b with its unit
     # stride along N, so the ragged reduction dim is the memory-row axis of both descriptors and can
     # be row-bounded: rows of the next group read as zero, whatever they hold.
+    # ``colsum``: a row of ones appended to a makes row M - 1 of each group's product the per-group
+    # column sums of b (a bias gradient) at the cost of one row of a tile that is usually padding.
     pid = tl.program_id(0)
+    m_c = M - 1 if colsum is not None else M  # rows of c
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_group = tiles_m * tiles_n
@@ -284,7 +288,15 @@ def _grouped_mm_ragged_k_kernel(
                 b_tile = _load_2d(b, 0, k, col, k_end, N, stride_bk, stride_bn, BLOCK_K, BLOCK_N)
             acc = _dot(a_tile, b_tile, acc, DOT_F32)
 
-        if USE_TMA:
+        if colsum is not None:
+            if (m_c >= row) & (m_c < row + BLOCK_M):  # this tile holds the ones row's output
+                # (any second read of acc lifts ptxas' register count from ~154 to ~254, with no
+                # spills: benchmarks/compiler_report.py, "tma ones-row")
+                rows = row + tl.arange(0, BLOCK_M)
+                sums = tl.sum(tl.where(rows[:, None] == m_c, acc, 0.0), 0)
+                cols = col + tl.arange(0, BLOCK_N)
+                tl.store(colsum + g.to(tl.int64) * stride_colsum_e + cols, sums, mask=cols < N)
+        if USE_TMA:  # c's descriptor has m_c rows: the ones row's output is dropped by the bounds check
             if SPLIT_STORE:
                 left, right = _halves(acc, BLOCK_M, BLOCK_N)
                 c.store([g, row, col], tl.reshape(left.to(c.dtype), [1, BLOCK_M, BLOCK_N // 2]))
@@ -297,4 +309,4 @@ def _grouped_mm_ragged_k_kernel(
             cols = col + tl.arange(0, BLOCK_N)
             ptrs = (c + g.to(tl.int64) * stride_ce + rows[:, None].to(tl.int64) * stride_cm
                     + cols[None, :] * stride_cn)
-            tl.store(ptrs, out, mask=(rows[:, None] < M) & (cols[None, :] < N))
+            tl.store(ptrs, out, mask=(rows[:, None] < m_c) & (cols[None, :] < N))
