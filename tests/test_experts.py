@@ -182,6 +182,30 @@ def test_expert_mlp_weight_grads_only_when_asked(interpreter):
     assert torch.equal(xa.grad, xb.grad)
 
 
+def test_expert_mlp_op_gradient_through_aux(interpreter):
+    """The op also returns aux; a gradient arriving there (a direct op call) joins d_aux."""
+    from moekit.experts import _expert_mlp_op
+
+    x, w1, b1, w2, b2, offs = _expert_inputs([6, 0, 9], 17, 16, 24)
+    leaves = [_leaf(t) for t in (torch.nan_to_num(x), w1, b1, w2, b2)]
+    out, aux = _expert_mlp_op(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], offs, None, None,
+                              1.702, 7.0, 1.0, "interleaved")
+    dy, daux = torch.randn_like(out), torch.randn_like(aux)
+    torch.autograd.backward((out, aux), (dy, daux))
+
+    def ref_chain(xr, w1r, b1r, w2r, b2r):
+        h, auxr = grouped_mm_swiglu_ref(xr, w1r, offs, bias=b1r)
+        outr = grouped_mm_downproj_ref(h, w2r, offs, bias=b2r, aux_biased_acc=auxr)
+        return (outr.to(torch.float64) * dy.to(torch.float64)).sum() + (auxr.to(torch.float64) * daux.to(
+            torch.float64)).sum()
+
+    one = torch.ones((), dtype=torch.float64)
+    grads64 = reference_run(ref_chain, [t.detach() for t in leaves], one, torch.float64)[1]
+    grads16 = reference_run(ref_chain, [t.detach() for t in leaves], one, BF16)[1]
+    for name, leaf, g64, g16 in zip(("dx", "dw1", "db1", "dw2", "db2"), leaves, grads64, grads16, strict=True):
+        assert_within_baseline(leaf.grad, g64, g16, what=name)
+
+
 @pytest.mark.parametrize("variant", ["no-limit", "plain-silu-halves"])
 def test_variants_without_bias_and_contiguous_weights(interpreter, variant):
     kw = VARIANTS[variant]

@@ -13,7 +13,7 @@ from moekit import (
     grouped_mm_swiglu_ref,
 )
 from moekit.bench.baselines import TorchtitanGptOssExperts
-from moekit.experts import _colsum_op, _downproj_bwd_op, _downproj_op, _swiglu_act_op, _swiglu_op
+from moekit.experts import _colsum_op, _downproj_bwd_op, _downproj_op, _expert_mlp_op, _swiglu_act_op, _swiglu_op
 from moekit.testing import assert_within_baseline, offs_from_counts, reference_run, routed_counts
 
 pytestmark = pytest.mark.gpu
@@ -182,4 +182,6 @@ def test_opcheck():
     torch.library.opcheck(_downproj_bwd_op, (dy, w2, offs, aux, True, True, True, *spec))
     torch.library.opcheck(_downproj_bwd_op, (dy, w2, offs, aux, False, True, False, *spec))
     torch.library.opcheck(_colsum_op, (dy, offs))
+    mlp_args = (x, _leaf(w1), _leaf(b1), _leaf(w2), _leaf(b2), offs, None, None, *spec)
+    torch.library.opcheck(_expert_mlp_op, mlp_args)
     torch.library.opcheck(_swiglu_act_op, (_leaf(aux), *spec))

@@ -152,13 +152,22 @@ def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = Fal
     tiles (bench/NOTES.md). Warp specialization would change that verdict.
     """
     dh = grouped_mm_fwd(grad, w.mT, offs)
+    return dswiglu_pass(aux, dh, offs, spec, ones_col=ones_col, bias_sums=bias_sums)
+
+
+# (rows per tile, rows per step, h columns per program, warps, stages) of the pass on a GPU
+DSWIGLU_BLOCKS = (_DSWIGLU_ROWS, 32, 64, 4, 1)
+
+
+def dswiglu_pass(aux, dh, offs, spec: SwiGLU, *, ones_col: bool = False, bias_sums: bool = False, blocks=None):
+    """The pass of ``grouped_mm_dswiglu``: aux (M, 2F), dh (M, F) -> (d_aux, h, db_up) as described there."""
     m, two_f = aux.shape
     f, e = two_f // 2, offs.numel()
     d_aux = config.empty((m, two_f), dtype=aux.dtype, device=aux.device)
     width = f + 1 if ones_col else f
     h = config.empty((m, triton.cdiv(width, 8) * 8), dtype=aux.dtype, device=aux.device)[:, :width]
     interp = config.is_interpreting()
-    block_m, block_r, block_f = (16, 8, 16) if interp else (_DSWIGLU_ROWS, 32, 64)
+    block_m, block_r, block_f, warps, stages = (16, 8, 16, 4, 1) if interp else (blocks or DSWIGLU_BLOCKS)
     tiles = triton.cdiv(m, block_m) + e + 1  # an upper bound: each group adds <= 1 partial tile
     part = config.empty((tiles, two_f), dtype=torch.float32, device=aux.device) if bias_sums else None
     block_e = triton.next_power_of_2(e + 1)
@@ -168,7 +177,7 @@ def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = Fal
             m, f, e,
             aux.stride(0), dh.stride(0), d_aux.stride(0), h.stride(0), part.stride(0) if bias_sums else 0,
             **spec.constexprs(), ONES_COL=ones_col,
-            BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_F=block_f, BLOCK_E=block_e, num_warps=4,
+            BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_F=block_f, BLOCK_E=block_e, num_warps=warps, num_stages=stages,
         )
     db_up = None
     if bias_sums:
@@ -427,33 +436,52 @@ def _downproj_backward(ctx, grad):
 _downproj_op.register_autograd(_downproj_backward, setup_context=_downproj_setup)
 
 
-class ExpertMLPFn(torch.autograd.Function):
-    """``expert_mlp`` as one autograd node: the forward runs the two fused ops; the backward can then
-    take db_up from the SwiGLU-backward pass (``up_bias_sums``) instead of re-reading d_aux."""
+@torch.library.custom_op("moekit::expert_mlp", mutates_args=())
+def _expert_mlp_op(
+    x: torch.Tensor, w_up: torch.Tensor, b_up: torch.Tensor | None, w_down: torch.Tensor,
+    b_down: torch.Tensor | None, offs: torch.Tensor, token_idx: torch.Tensor | None, row_of: torch.Tensor | None,
+    alpha: float, limit: float | None, linear_offset: float, layout: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    spec = _spec(alpha, limit, linear_offset, layout)
+    h, aux = grouped_mm_swiglu_fwd(x, w_up, offs, b_up, spec, token_idx=token_idx)
+    return _ragged_m(h, w_down, offs, h.dtype, None, bias=b_down), aux
 
-    @staticmethod
-    def forward(ctx, x, w_up, b_up, w_down, b_down, offs, token_idx, row_of, alpha, limit, linear_offset, layout):
-        spec = (alpha, limit, linear_offset, layout)
-        h, aux = _swiglu_op(x, w_up, offs, b_up, token_idx, row_of, *spec)
-        out = _downproj_op(h, w_down, offs, b_down, aux, *spec)
-        ctx.save_for_backward(x, w_up, w_down, offs, aux, token_idx, row_of)
-        ctx.spec = spec
-        ctx.bias_dtypes = (None if b_up is None else b_up.dtype, None if b_down is None else b_down.dtype)
-        return out
 
-    @staticmethod
-    def backward(ctx, grad):
-        x, w_up, w_down, offs, aux, token_idx, row_of = ctx.saved_tensors
-        need_x, need_wu, need_bu, need_wd, need_bd = ctx.needs_input_grad[:5]
-        grad = _matrix_ready(grad.to(aux.dtype))
-        d_aux, grad_wd, grad_bd, grad_bu = _downproj_bwd_op(
-            grad, w_down, offs, aux, need_wd, need_bd, need_bu, *ctx.spec
-        )
-        grad_x, grad_wu = _up_grads(d_aux, x, w_up, offs, token_idx, row_of, need_x, need_wu)
-        dt_bu, dt_bd = ctx.bias_dtypes
-        grad_bu = grad_bu.to(dt_bu) if need_bu else None
-        grad_bd = grad_bd.to(dt_bd) if need_bd else None
-        return (grad_x, grad_wu, grad_bu, _present(grad_wd, need_wd), grad_bd) + (None,) * 7
+@_expert_mlp_op.register_fake
+def _(x, w_up, b_up, w_down, b_down, offs, token_idx, row_of, alpha, limit, linear_offset, layout):
+    rows = x.shape[0] if token_idx is None else token_idx.shape[0]
+    return x.new_empty((rows, w_down.shape[2])), x.new_empty((rows, w_up.shape[2]))
+
+
+def _expert_mlp_setup(ctx, inputs, output):
+    x, w_up, b_up, w_down, b_down, offs, token_idx, row_of, *spec = inputs
+    ctx.save_for_backward(x, w_up, w_down, offs, output[1], token_idx, row_of)
+    ctx.spec = tuple(spec)
+    ctx.bias_dtypes = (None if b_up is None else b_up.dtype, None if b_down is None else b_down.dtype)
+    ctx.set_materialize_grads(False)
+
+
+def _expert_mlp_backward(ctx, grad, grad_aux):
+    x, w_up, w_down, offs, aux, token_idx, row_of = ctx.saved_tensors
+    if grad is None and grad_aux is None:
+        return (None,) * 12
+    need_x, need_wu, need_bu, need_wd, need_bd = ctx.needs_input_grad[:5]
+    grad = _matrix_ready(grad.to(aux.dtype)) if grad is not None else aux.new_zeros(aux.shape[0], w_down.shape[2])
+    sums_in_pass = need_bu and grad_aux is None  # aux is internal to expert_mlp: no gradient reaches it there
+    d_aux, grad_wd, grad_bd, grad_bu = _downproj_bwd_op(
+        grad, w_down, offs, aux, need_wd, need_bd, sums_in_pass, *ctx.spec
+    )
+    if grad_aux is not None:  # only through a direct call of the op
+        d_aux = d_aux + grad_aux
+        grad_bu = _colsum_op(d_aux, offs) if need_bu else None
+    grad_x, grad_wu = _up_grads(d_aux, x, w_up, offs, token_idx, row_of, need_x, need_wu)
+    dt_bu, dt_bd = ctx.bias_dtypes
+    grad_bu = grad_bu.to(dt_bu) if need_bu else None
+    grad_bd = grad_bd.to(dt_bd) if need_bd else None
+    return (grad_x, grad_wu, grad_bu, _present(grad_wd, need_wd), grad_bd) + (None,) * 7
+
+
+_expert_mlp_op.register_autograd(_expert_mlp_backward, setup_context=_expert_mlp_setup)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -598,7 +626,7 @@ def expert_mlp(
     if not config.uses_triton(x.device):
         rows = x if token_idx is None else x[token_idx.long()]
         return expert_mlp_ref(rows, w_up, w_down, offs, b_up=b_up, b_down=b_down, **kw)
-    return ExpertMLPFn.apply(x, w_up, b_up, w_down, b_down, offs, token_idx, row_of, *_spec_args(spec))
+    return _expert_mlp_op(x, w_up, b_up, w_down, b_down, offs, token_idx, row_of, *_spec_args(spec))[0]
 
 
 def swiglu(
