@@ -155,8 +155,8 @@ def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = Fal
     return dswiglu_pass(aux, dh, offs, spec, ones_col=ones_col, bias_sums=bias_sums)
 
 
-# (rows per tile, rows per step, h columns per program, warps, stages) of the pass on a GPU
-DSWIGLU_BLOCKS = (_DSWIGLU_ROWS, 32, 64, 4, 1)
+# (rows per tile, rows per step, h columns per step, programs per tile, warps) of the pass on a GPU
+DSWIGLU_BLOCKS = (_DSWIGLU_ROWS, 32, 64, 8, 4)
 
 
 def dswiglu_pass(aux, dh, offs, spec: SwiGLU, *, ones_col: bool = False, bias_sums: bool = False, blocks=None):
@@ -165,19 +165,22 @@ def dswiglu_pass(aux, dh, offs, spec: SwiGLU, *, ones_col: bool = False, bias_su
     f, e = two_f // 2, offs.numel()
     d_aux = config.empty((m, two_f), dtype=aux.dtype, device=aux.device)
     width = f + 1 if ones_col else f
-    h = config.empty((m, triton.cdiv(width, 8) * 8), dtype=aux.dtype, device=aux.device)[:, :width]
+    # The padded row length is a multiple of 64 elements, so that Triton can prove the row stride
+    # and the store mask aligned and vectorize the writes.
+    h_cols = triton.cdiv(width, 64) * 64 if ones_col else f
+    h = config.empty((m, h_cols), dtype=aux.dtype, device=aux.device)[:, :width]
     interp = config.is_interpreting()
-    block_m, block_r, block_f, warps, stages = (16, 8, 16, 4, 1) if interp else (blocks or DSWIGLU_BLOCKS)
+    block_m, block_r, block_f, splits, warps = (16, 8, 16, 2, 4) if interp else (blocks or DSWIGLU_BLOCKS)
     tiles = triton.cdiv(m, block_m) + e + 1  # an upper bound: each group adds <= 1 partial tile
     part = config.empty((tiles, two_f), dtype=torch.float32, device=aux.device) if bias_sums else None
     block_e = triton.next_power_of_2(e + 1)
     if m and width:
-        _grouped_dswiglu_kernel[(tiles, triton.cdiv(width, block_f))](
+        _grouped_dswiglu_kernel[(tiles, min(splits, triton.cdiv(width, block_f)))](
             aux, dh, d_aux, h, part, offs,
-            m, f, e,
+            m, f, e, h_cols,
             aux.stride(0), dh.stride(0), d_aux.stride(0), h.stride(0), part.stride(0) if bias_sums else 0,
             **spec.constexprs(), ONES_COL=ones_col,
-            BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_F=block_f, BLOCK_E=block_e, num_warps=warps, num_stages=stages,
+            BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_F=block_f, BLOCK_E=block_e, num_warps=warps,
         )
     db_up = None
     if bias_sums:
@@ -318,9 +321,13 @@ def _downproj_bwd_op(
     need_w: bool, need_b: bool, up_bias_sums: bool,
     alpha: float, limit: float | None, linear_offset: float, layout: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    outs = downproj_bwd(grad, w, offs, aux, _spec(alpha, limit, linear_offset, layout),
-                        need_w=need_w, need_b=need_b, up_bias_sums=up_bias_sums)
-    return tuple(grad.new_empty(0) if t is None else t for t in outs)  # custom ops return no None
+    d_aux, dw, db, db_up = downproj_bwd(grad, w, offs, aux, _spec(alpha, limit, linear_offset, layout),
+                                        need_w=need_w, need_b=need_b, up_bias_sums=up_bias_sums)
+
+    def some(t, dtype):  # custom ops return no None: an empty tensor stands in
+        return grad.new_empty(0, dtype=dtype) if t is None else t
+
+    return d_aux, some(dw, grad.dtype), some(db, torch.float32), some(db_up, torch.float32)
 
 
 @_downproj_bwd_op.register_fake

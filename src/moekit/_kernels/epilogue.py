@@ -74,7 +74,10 @@ def _load_pairs(pre, rows, j, F, stride_m, BLOCK_R: tl.constexpr, BLOCK_F: tl.co
 @triton.jit
 def _store_pairs(dst, rows, j, F, stride_m, gate, lin, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
                  HALVES: tl.constexpr):
-    """Inverse of ``_load_pairs`` (rows are pre-clamped by the caller's mask through ``rows``)."""
+    """Inverse of ``_load_pairs`` (rows are pre-clamped by the caller's mask through ``rows``).
+
+    Returns the stored values in storage order: (gate, lin) for halves, the interleaved
+    [BLOCK_R, 2 * BLOCK_F] tile twice otherwise."""
     base = dst + rows[:, None].to(tl.int64) * stride_m
     row_ok = rows[:, None] >= 0
     if HALVES:
@@ -82,10 +85,13 @@ def _store_pairs(dst, rows, j, F, stride_m, gate, lin, BLOCK_R: tl.constexpr, BL
         mask = row_ok & (cols[None, :] < F)
         tl.store(base + cols[None, :], gate.to(dst.dtype.element_ty), mask=mask)
         tl.store(base + F + cols[None, :], lin.to(dst.dtype.element_ty), mask=mask)
+        first, second = gate, lin
     else:
         cols = 2 * j + tl.arange(0, 2 * BLOCK_F)
         both = join_pairs(gate, lin, BLOCK_R, BLOCK_F)
         tl.store(base + cols[None, :], both.to(dst.dtype.element_ty), mask=row_ok & (cols[None, :] < 2 * F))
+        first, second = both, both
+    return first, second
 
 
 @triton.jit
