@@ -9,8 +9,6 @@ import torch
 
 from moekit import (
     GptOssExperts,
-    expert_mlp,
-    expert_mlp_ref,
     grouped_mm_downproj,
     grouped_mm_downproj_ref,
     grouped_mm_swiglu,
@@ -71,6 +69,7 @@ CASES = [
     pytest.param([0, 33, 0], 33, 24, 24, id="all-on-one"),  # every row on one expert; odd M
     pytest.param([5, 7], 12, 136, 72, id="odd-d-f"),  # D, F not tile multiples
     pytest.param([0, 0], 0, 16, 16, id="m-zero"),  # no rows
+    pytest.param([7, 0, 5], 12, 16, 128, id="f-tile-multiple"),  # db_down from a column-sum pass, not a ones row
 ]
 
 
@@ -128,82 +127,6 @@ def test_forward_and_backward(interpreter, tma_path, counts, m, d, f, variant):
     for g, c in enumerate(counts):
         if c == 0:  # an empty expert's parameter gradients are exactly zero
             assert not leaves[1].grad[g].any() and not leaves[2].grad[g].any() and not leaves[3].grad[g].any()
-
-
-# (counts, M, D, F, biases) for the one-node MLP and why
-MLP_CASES = [
-    pytest.param([10, 0, 22], 40, 32, 40, True, id="ones-col-empty-expert-tail"),  # F % 128 != 0: db_down in dW_down
-    pytest.param([0, 33, 0], 33, 24, 24, True, id="ones-col-all-on-one"),
-    pytest.param([7, 0, 5], 12, 16, 128, True, id="colsum-fallback"),  # F % 128 == 0: a column-sum pass instead
-    pytest.param([9, 0, 14], 23, 32, 24, False, id="no-bias"),
-    pytest.param([0, 0], 0, 16, 16, True, id="m-zero"),
-]
-
-
-@pytest.mark.parametrize("counts, m, d, f, bias", MLP_CASES)
-@pytest.mark.parametrize("variant", ["gpt-oss", "gpt-oss-halves"])
-def test_expert_mlp(interpreter, tma_path, counts, m, d, f, bias, variant):
-    """The one-node MLP (fused bias gradients) against the float64 chain, like the two-op form."""
-    kw = VARIANTS[variant]
-    x, w1, b1, w2, b2, offs = _expert_inputs(counts, m, d, f, bias=bias)
-    names = ("dx", "dw1", "db1", "dw2", "db2") if bias else ("dx", "dw1", "dw2")
-    inputs = (x, w1, b1, w2, b2) if bias else (x, w1, w2)
-    leaves = [_leaf(t) for t in inputs]
-
-    def call(fn, xs, w1s, *rest):
-        b1s, w2s, b2s = rest if bias else (None, rest[0], None)
-        return fn(xs, w1s, w2s, offs, b_up=b1s, b_down=b2s, **kw)
-
-    out = call(expert_mlp, *leaves)
-    dy = torch.randn_like(out)
-    out.backward(dy)
-    (out64,), grads64 = reference_run(lambda *ls: call(expert_mlp_ref, *ls), inputs, dy, torch.float64)
-    (out16,), grads16 = reference_run(lambda *ls: call(expert_mlp_ref, *ls), inputs, dy, BF16)
-    assert_within_baseline(out, out64, out16, what="out")
-    tail = int(offs[-1]) if m else 0
-    assert (out[tail:] == 0).all()
-    if m == 0:
-        return
-    for name, leaf, g64, g16 in zip(names, leaves, grads64, grads16, strict=True):
-        assert_within_baseline(leaf.grad, g64, g16, what=name)
-    for g, c in enumerate(counts):
-        if c == 0:  # an empty expert's parameter gradients are exactly zero
-            assert all(not leaf.grad[g].any() for leaf in leaves[1:])
-
-
-def test_expert_mlp_weight_grads_only_when_asked(interpreter):
-    """Frozen weights: only dx is computed, and it equals the full backward's dx."""
-    x, w1, b1, w2, b2, offs = _expert_inputs([6, 10], 16, 16, 24)
-    x = torch.nan_to_num(x)
-    xa, xb = _leaf(x), _leaf(x)
-    expert_mlp(xa, w1, w2, offs, b_up=b1, b_down=b2).float().sum().backward()
-    leaves = [_leaf(t) for t in (w1, b1, w2, b2)]
-    expert_mlp(xb, leaves[0], leaves[2], offs, b_up=leaves[1], b_down=leaves[3]).float().sum().backward()
-    assert torch.equal(xa.grad, xb.grad)
-
-
-def test_expert_mlp_op_gradient_through_aux(interpreter):
-    """The op also returns aux; a gradient arriving there (a direct op call) joins d_aux."""
-    from moekit.experts import _expert_mlp_op
-
-    x, w1, b1, w2, b2, offs = _expert_inputs([6, 0, 9], 17, 16, 24)
-    leaves = [_leaf(t) for t in (torch.nan_to_num(x), w1, b1, w2, b2)]
-    out, aux = _expert_mlp_op(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], offs, None, None,
-                              1.702, 7.0, 1.0, "interleaved")
-    dy, daux = torch.randn_like(out), torch.randn_like(aux)
-    torch.autograd.backward((out, aux), (dy, daux))
-
-    def ref_chain(xr, w1r, b1r, w2r, b2r):
-        h, auxr = grouped_mm_swiglu_ref(xr, w1r, offs, bias=b1r)
-        outr = grouped_mm_downproj_ref(h, w2r, offs, bias=b2r, aux_biased_acc=auxr)
-        return (outr.to(torch.float64) * dy.to(torch.float64)).sum() + (auxr.to(torch.float64) * daux.to(
-            torch.float64)).sum()
-
-    one = torch.ones((), dtype=torch.float64)
-    grads64 = reference_run(ref_chain, [t.detach() for t in leaves], one, torch.float64)[1]
-    grads16 = reference_run(ref_chain, [t.detach() for t in leaves], one, BF16)[1]
-    for name, leaf, g64, g16 in zip(("dx", "dw1", "db1", "dw2", "db2"), leaves, grads64, grads16, strict=True):
-        assert_within_baseline(leaf.grad, g64, g16, what=name)
 
 
 @pytest.mark.parametrize("variant", ["no-limit", "plain-silu-halves"])

@@ -12,10 +12,10 @@ device and are never read by the host.
 
 from .config import TileConfig, set_debug
 from .epilogue import SwiGLU
-from .experts import expert_mlp, grouped_mm_downproj, grouped_mm_swiglu, swiglu
+from .experts import grouped_mm_downproj, grouped_mm_swiglu, swiglu
 from .grouped_gemm import grouped_mm
 from .layers import GptOssExperts, MoE
-from .reference import expert_mlp_ref, grouped_mm_downproj_ref, grouped_mm_ref, grouped_mm_swiglu_ref, swiglu_ref
+from .reference import grouped_mm_downproj_ref, grouped_mm_ref, grouped_mm_swiglu_ref, swiglu_ref
 from .routing import Routing, combine, combine_ref, gather_rows, route_metadata_ref, topk_router
 
 __version__ = "0.1.0"
@@ -28,8 +28,6 @@ __all__ = [
     "TileConfig",
     "combine",
     "combine_ref",
-    "expert_mlp",
-    "expert_mlp_ref",
     "gather_rows",
     "grouped_mm",
     "grouped_mm_downproj",

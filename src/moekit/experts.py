@@ -8,8 +8,9 @@ Forward: one grouped GEMM computes ``aux = x @ w_up[g] + b_up[g]`` (M, 2F) and `
 Backward (the fused-only contract): the gradient flows through ``aux``, not ``h``. The down-projection
 dgrad computes dH = dOut @ w_down^T, and one pass turns (aux, dH) into d_aux = dSwiGLU(aux) * dH and a
 recomputed h (``grouped_mm_dswiglu`` says why this is not the GEMM's epilogue); then
-dW_down = h^T @ dOut, dX = d_aux @ w_up^T, dW_up = x^T @ d_aux, and the bias gradients are per-expert
-column sums. Only ``aux`` is saved between forward and backward.
+dW_down = h^T @ dOut, dX = d_aux @ w_up^T, dW_up = x^T @ d_aux. The bias gradients are per-expert
+column sums: db_down comes out of the dW_down GEMM through a column of ones appended to h, db_up from
+a pass over d_aux. Only ``aux`` is saved between forward and backward.
 
 Reads as: references (``reference.py``) -> kernels (``_kernels/experts.py``) -> launchers
 (``*_fwd`` / ``grouped_mm_dswiglu`` / ``grouped_colsum``) -> custom ops with fakes and autograd ->
@@ -24,12 +25,7 @@ import triton.language as tl
 
 from . import config
 from ._kernels.epilogue import _swiglu_bwd_kernel, _swiglu_kernel
-from ._kernels.experts import (
-    _grouped_colsum_kernel,
-    _grouped_dswiglu_kernel,
-    _grouped_mm_swiglu_kernel,
-    _tile_colsum_kernel,
-)
+from ._kernels.experts import _grouped_colsum_kernel, _grouped_mm_swiglu_kernel
 from .epilogue import SwiGLU
 from .grouped_gemm import (
     _check_layout,
@@ -41,7 +37,7 @@ from .grouped_gemm import (
     _tma_ok,
     grouped_mm_fwd,
 )
-from .reference import expert_mlp_ref, grouped_mm_downproj_ref, grouped_mm_swiglu_ref, swiglu_ref
+from .reference import grouped_mm_downproj_ref, grouped_mm_swiglu_ref, swiglu_ref
 from .routing import _gather_bwd_op
 
 try:
@@ -130,21 +126,17 @@ def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig
     return h, aux
 
 
-_DSWIGLU_ROWS = 128  # rows per tile of the SwiGLU-backward pass: one bias partial sum per tile
-_ONES_ROW_TILE = 128  # the wgrad's block_m: h's ones column is free when F leaves a partial tile
+_ONES_ROW_TILE = 128  # the wgrad's block_m: h's ones column is free when F leaves a partial row tile
 
 
-def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = False, bias_sums: bool = False):
+def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = False):
     """Down-projection dgrad followed by the SwiGLU backward.
 
-    grad (M, D) = dOut, w (E, F, D) the down weight, aux (M, 2F) -> (d_aux (M, 2F), h, db_up):
+    grad (M, D) = dOut, w (E, F, D) the down weight, aux (M, 2F) -> (d_aux (M, 2F), h):
     dH = grad @ w[g]^T (one grouped GEMM, 128x256 tiles), then one bandwidth-bound pass reads aux and
     dH and writes d_aux = dSwiGLU(aux) * dH and the recomputed h = SwiGLU(aux) that dW_down needs.
-
-    - ``h`` is (M, F); with ``ones_col`` it is a (M, F + 1) view of a row-padded buffer whose last
-      column is ones, so that ``h^T @ dOut`` also yields db_down (``_ragged_k(..., ones_row=True)``).
-    - ``db_up`` (E, 2F) fp32 = per-expert column sums of d_aux (before rounding) when ``bias_sums``,
-      else None: the pass adds up each tile's rows while it writes them, so d_aux is not read again.
+    h is (M, F); with ``ones_col`` it is a (M, F + 1) view of a row-padded buffer whose last column
+    is ones, so that ``h^T @ dOut`` also yields db_down (``_ragged_k(..., ones_row=True)``).
 
     Why not the GEMM's epilogue: measured on an H100 at gpt-oss-20b, fusing it there costs 4.28 ms
     against 2.32 ms + ~1.2 ms this way. The epilogue moves 2.8 GB that Triton 3.6's non-warp-specialized
@@ -152,63 +144,24 @@ def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = Fal
     tiles (bench/NOTES.md). Warp specialization would change that verdict.
     """
     dh = grouped_mm_fwd(grad, w.mT, offs)
-    return dswiglu_pass(aux, dh, offs, spec, ones_col=ones_col, bias_sums=bias_sums)
+    return swiglu_bwd(aux, dh, spec, with_h=True, ones_col=ones_col)
 
 
-# (rows per tile, rows per step, h columns per step, programs per tile, warps) of the pass on a GPU
-DSWIGLU_BLOCKS = (_DSWIGLU_ROWS, 32, 64, 8, 4)
-
-
-def dswiglu_pass(aux, dh, offs, spec: SwiGLU, *, ones_col: bool = False, bias_sums: bool = False, blocks=None):
-    """The pass of ``grouped_mm_dswiglu``: aux (M, 2F), dh (M, F) -> (d_aux, h, db_up) as described there."""
-    m, two_f = aux.shape
-    f, e = two_f // 2, offs.numel()
-    d_aux = config.empty((m, two_f), dtype=aux.dtype, device=aux.device)
-    width = f + 1 if ones_col else f
-    # The padded row length is a multiple of 64 elements, so that Triton can prove the row stride
-    # and the store mask aligned and vectorize the writes.
-    h_cols = triton.cdiv(width, 64) * 64 if ones_col else f
-    h = config.empty((m, h_cols), dtype=aux.dtype, device=aux.device)[:, :width]
-    interp = config.is_interpreting()
-    block_m, block_r, block_f, splits, warps = (16, 8, 16, 2, 4) if interp else (blocks or DSWIGLU_BLOCKS)
-    tiles = triton.cdiv(m, block_m) + e + 1  # an upper bound: each group adds <= 1 partial tile
-    part = config.empty((tiles, two_f), dtype=torch.float32, device=aux.device) if bias_sums else None
-    block_e = triton.next_power_of_2(e + 1)
-    if m and width:
-        _grouped_dswiglu_kernel[(tiles, min(splits, triton.cdiv(width, block_f)))](
-            aux, dh, d_aux, h, part, offs,
-            m, f, e, h_cols,
-            aux.stride(0), dh.stride(0), d_aux.stride(0), h.stride(0), part.stride(0) if bias_sums else 0,
-            **spec.constexprs(), ONES_COL=ones_col,
-            BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_F=block_f, BLOCK_E=block_e, num_warps=warps,
-        )
-    db_up = None
-    if bias_sums:
-        db_up = config.empty((e, two_f), dtype=torch.float32, device=aux.device)
-        if two_f:
-            block_c = 32 if interp else 256
-            _tile_colsum_kernel[(triton.cdiv(two_f, block_c), e)](
-                part, offs, db_up, m, two_f, e, part.stride(0), db_up.stride(0),
-                BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_C=block_c, num_warps=4,
-            )
-    return d_aux, h, db_up
-
-
-def downproj_bwd(grad, w, offs, aux, spec: SwiGLU, *, need_w: bool, need_b: bool, up_bias_sums: bool):
+def downproj_bwd(grad, w, offs, aux, spec: SwiGLU, *, need_w: bool, need_b: bool):
     """Backward of the fused down-projection: grad (M, D), w (E, F, D), aux (M, 2F) ->
-    (d_aux (M, 2F), dW_down (E, F, D) or None, db_down (E, D) fp32 or None, db_up (E, 2F) fp32 or None).
+    (d_aux (M, 2F), dW_down (E, F, D) or None, db_down (E, D) fp32 or None).
 
     db_down rides on the dW_down GEMM through h's ones column when F leaves that GEMM a partial row
-    tile (then the extra row is free); otherwise it is a column-sum pass over dOut."""
+    tile, where the extra row costs nothing; otherwise it is a column-sum pass over dOut."""
     f = aux.shape[1] // 2
     ones = need_w and need_b and f % _ONES_ROW_TILE != 0
-    d_aux, h, db_up = grouped_mm_dswiglu(grad, w, offs, aux, spec, ones_col=ones, bias_sums=up_bias_sums)
+    d_aux, h = grouped_mm_dswiglu(grad, w, offs, aux, spec, ones_col=ones)
     if ones:
         dw, db = _ragged_k(h.mT, grad, offs, grad.dtype, None, ones_row=True)
     else:
         dw = grouped_mm_fwd(h.mT, grad, offs) if need_w else None
         db = grouped_colsum(grad, offs) if need_b else None
-    return d_aux, dw, db, db_up
+    return d_aux, dw, db
 
 
 def grouped_colsum(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -240,15 +193,24 @@ def swiglu_fwd(pre: torch.Tensor, spec: SwiGLU) -> torch.Tensor:
     return h
 
 
-def swiglu_bwd(pre: torch.Tensor, dh: torch.Tensor, spec: SwiGLU) -> torch.Tensor:
-    """d(pre) (M, 2F) from pre (M, 2F) and dh (M, F): the standalone SwiGLU's backward."""
+def swiglu_bwd(pre: torch.Tensor, dh: torch.Tensor, spec: SwiGLU, *, with_h: bool = False, ones_col: bool = False):
+    """d(pre) (M, 2F) from pre (M, 2F) and dh (M, F); with ``with_h``, also the recomputed h (M, F),
+    and with ``ones_col`` that h as a (M, F + 1) view whose last column is ones (``grouped_mm_dswiglu``)."""
     m, two_f = pre.shape
+    f = two_f // 2
     dpre = config.empty((m, two_f), dtype=pre.dtype, device=pre.device)
+    h = h_cols = None
+    if with_h:  # a padded row of 64-element multiples keeps the ones column's stores vectorized
+        h_cols = triton.cdiv(f + 1, 64) * 64 if ones_col else f
+        h = config.empty((m, h_cols), dtype=pre.dtype, device=pre.device)
     if dpre.numel():
-        grid, blocks = _elementwise_grid(m, two_f // 2)
-        _swiglu_bwd_kernel[grid](pre, dh, dpre, m, two_f // 2, pre.stride(0), dh.stride(0), dpre.stride(0),
-                                 **spec.constexprs(), **blocks)
-    return dpre
+        grid, blocks = _elementwise_grid(m, h_cols if ones_col else f)
+        _swiglu_bwd_kernel[grid](pre, dh, dpre, h, m, f, pre.stride(0), dh.stride(0), dpre.stride(0),
+                                 h.stride(0) if with_h else 0, h_cols or 0, **spec.constexprs(),
+                                 ONES_COL=ones_col, **blocks)
+    if not with_h:
+        return dpre
+    return dpre, h[:, : f + 1] if ones_col else h
 
 
 # --------------------------------------------------------------------------------------------------
@@ -317,33 +279,25 @@ def _(x, w, offs, bias, token_idx, row_of, alpha, limit, linear_offset, layout):
 
 @torch.library.custom_op("moekit::grouped_mm_downproj_bwd", mutates_args=())
 def _downproj_bwd_op(
-    grad: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, aux: torch.Tensor,
-    need_w: bool, need_b: bool, up_bias_sums: bool,
+    grad: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, aux: torch.Tensor, need_w: bool, need_b: bool,
     alpha: float, limit: float | None, linear_offset: float, layout: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    d_aux, dw, db, db_up = downproj_bwd(grad, w, offs, aux, _spec(alpha, limit, linear_offset, layout),
-                                        need_w=need_w, need_b=need_b, up_bias_sums=up_bias_sums)
-
-    def some(t, dtype):  # custom ops return no None: an empty tensor stands in
-        return grad.new_empty(0, dtype=dtype) if t is None else t
-
-    return d_aux, some(dw, grad.dtype), some(db, torch.float32), some(db_up, torch.float32)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    d_aux, dw, db = downproj_bwd(grad, w, offs, aux, _spec(alpha, limit, linear_offset, layout),
+                                 need_w=need_w, need_b=need_b)
+    # custom ops return no None: an empty tensor stands in
+    dw = grad.new_empty(0) if dw is None else dw
+    db = grad.new_empty(0, dtype=torch.float32) if db is None else db
+    return d_aux, dw, db
 
 
 @_downproj_bwd_op.register_fake
-def _(grad, w, offs, aux, need_w, need_b, up_bias_sums, alpha, limit, linear_offset, layout):
+def _(grad, w, offs, aux, need_w, need_b, alpha, limit, linear_offset, layout):
     e, f, d = w.shape
-    fp32 = dict(dtype=torch.float32)
     return (
         torch.empty_like(aux),
-        w.new_empty((e, f, d) if need_w else (0,), dtype=grad.dtype),
-        grad.new_empty((e, d) if need_b else (0,), **fp32),
-        grad.new_empty((e, 2 * f) if up_bias_sums else (0,), **fp32),
+        grad.new_empty((e, f, d) if need_w else (0,)),
+        grad.new_empty((e, d) if need_b else (0,), dtype=torch.float32),
     )
-
-
-def _present(t: torch.Tensor, wanted: bool):
-    return t if wanted else None
 
 
 @torch.library.custom_op("moekit::grouped_colsum", mutates_args=())
@@ -387,19 +341,6 @@ def _swiglu_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused h must arrive as None, not as zeros
 
 
-def _up_grads(d_aux, x, w, offs, token_idx, row_of, need_x: bool, need_w: bool):
-    """dX (T or M, D) and dW_up (E, D, 2F) of the up-projection from d_aux (M, 2F)."""
-    grad_x = _grouped_mm_op(d_aux, w.mT, offs, None) if need_x else None
-    if token_idx is None:
-        grad_w = _grouped_mm_op(x.mT, d_aux, offs, None) if need_w else None
-    else:  # permute-free: sum each token's K rows (no atomics)
-        grad_x = _gather_bwd_op(grad_x, row_of) if need_x else None
-        # dW_up re-gathers x's token rows into a transient copy: a gathered (pointer-loaded) A^T in the
-        # wgrad GEMM measured 2.7 ms slower per gpt-oss-20b step than this ~0.4 ms copy plus TMA loads.
-        grad_w = _grouped_mm_op(x.index_select(0, token_idx).mT, d_aux, offs, None) if need_w else None
-    return grad_x, grad_w
-
-
 def _swiglu_backward(ctx, grad_h, grad_aux):
     if grad_h is not None:
         raise RuntimeError(_CONTRACT)
@@ -408,7 +349,14 @@ def _swiglu_backward(ctx, grad_h, grad_aux):
         return (None,) * 10
     d_aux = _matrix_ready(grad_aux)
     need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
-    grad_x, grad_w = _up_grads(d_aux, x, w, offs, token_idx, row_of, need_x, need_w)
+    grad_x = _grouped_mm_op(d_aux, w.mT, offs, None) if need_x else None
+    if token_idx is None:
+        grad_w = _grouped_mm_op(x.mT, d_aux, offs, None) if need_w else None
+    else:  # permute-free: sum each token's K rows (no atomics)
+        grad_x = _gather_bwd_op(grad_x, row_of) if need_x else None
+        # dW_up re-gathers x's token rows into a transient copy: a gathered (pointer-loaded) A^T in the
+        # wgrad GEMM measured 2.7 ms slower per gpt-oss-20b step than this ~0.4 ms copy plus TMA loads.
+        grad_w = _grouped_mm_op(x.index_select(0, token_idx).mT, d_aux, offs, None) if need_w else None
     grad_b = _bias_grad(d_aux, offs, bias) if need_b else None
     return grad_x, grad_w, None, grad_b, None, None, None, None, None, None
 
@@ -430,8 +378,9 @@ def _downproj_backward(ctx, grad):
     need_h, need_w, _, need_b, need_aux = ctx.needs_input_grad[:5]
     grad_h = grad_aux = None
     if ctx.fused:
-        d_aux, grad_w, grad_b, _ = _downproj_bwd_op(grad, w, offs, saved, need_w, need_b, False, *ctx.spec)
-        grad_aux, grad_w, grad_b = _present(d_aux, need_aux), _present(grad_w, need_w), _present(grad_b, need_b)
+        grad_aux, grad_w, grad_b = _downproj_bwd_op(grad, w, offs, saved, need_w, need_b, *ctx.spec)
+        grad_aux = grad_aux if need_aux else None
+        grad_w = grad_w if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
     else:
         grad_h = _grouped_mm_op(grad, w.mT, offs, None) if need_h else None
@@ -441,55 +390,6 @@ def _downproj_backward(ctx, grad):
 
 
 _downproj_op.register_autograd(_downproj_backward, setup_context=_downproj_setup)
-
-
-@torch.library.custom_op("moekit::expert_mlp", mutates_args=())
-def _expert_mlp_op(
-    x: torch.Tensor, w_up: torch.Tensor, b_up: torch.Tensor | None, w_down: torch.Tensor,
-    b_down: torch.Tensor | None, offs: torch.Tensor, token_idx: torch.Tensor | None, row_of: torch.Tensor | None,
-    alpha: float, limit: float | None, linear_offset: float, layout: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    spec = _spec(alpha, limit, linear_offset, layout)
-    h, aux = grouped_mm_swiglu_fwd(x, w_up, offs, b_up, spec, token_idx=token_idx)
-    return _ragged_m(h, w_down, offs, h.dtype, None, bias=b_down), aux
-
-
-@_expert_mlp_op.register_fake
-def _(x, w_up, b_up, w_down, b_down, offs, token_idx, row_of, alpha, limit, linear_offset, layout):
-    rows = x.shape[0] if token_idx is None else token_idx.shape[0]
-    return x.new_empty((rows, w_down.shape[2])), x.new_empty((rows, w_up.shape[2]))
-
-
-def _expert_mlp_setup(ctx, inputs, output):
-    x, w_up, b_up, w_down, b_down, offs, token_idx, row_of, *spec = inputs
-    ctx.save_for_backward(x, w_up, w_down, offs, output[1], token_idx, row_of)
-    ctx.spec = tuple(spec)
-    ctx.bias_dtypes = (None if b_up is None else b_up.dtype, None if b_down is None else b_down.dtype)
-    ctx.set_materialize_grads(False)
-
-
-def _expert_mlp_backward(ctx, grad, grad_aux):
-    x, w_up, w_down, offs, aux, token_idx, row_of = ctx.saved_tensors
-    if grad is None and grad_aux is None:
-        return (None,) * 12
-    need_x, need_wu, need_bu, need_wd, need_bd = ctx.needs_input_grad[:5]
-    grad = _matrix_ready(grad.to(aux.dtype)) if grad is not None else aux.new_zeros(aux.shape[0], w_down.shape[2])
-    sums_in_pass = need_bu and grad_aux is None  # aux is internal to expert_mlp: no gradient reaches it there
-    d_aux, grad_wd, grad_bd, grad_bu = _downproj_bwd_op(
-        grad, w_down, offs, aux, need_wd, need_bd, sums_in_pass, *ctx.spec
-    )
-    if grad_aux is not None:  # only through a direct call of the op
-        d_aux = d_aux + grad_aux
-        grad_bu = _colsum_op(d_aux, offs) if need_bu else None
-    grad_x, grad_wu = _up_grads(d_aux, x, w_up, offs, token_idx, row_of, need_x, need_wu)
-    dt_bu, dt_bd = ctx.bias_dtypes
-    grad_bu = grad_bu.to(dt_bu) if need_bu else None
-    grad_bd = grad_bd.to(dt_bd) if need_bd else None
-    return (grad_x, grad_wu, grad_bu, _present(grad_wd, need_wd), grad_bd) + (None,) * 7
-
-
-_expert_mlp_op.register_autograd(_expert_mlp_backward, setup_context=_expert_mlp_setup)
-
 
 # --------------------------------------------------------------------------------------------------
 # public ops
@@ -511,15 +411,6 @@ def _check_expert_inputs(name, x, w, offs, bias, n_bias):
         raise ValueError(f"{name}: bias must be (E, N) = ({w.shape[0]}, {n_bias}) with unit column stride")
     _check_layout("x", x)
     _check_layout("w", w)
-
-
-def _check_token_idx(name, x, token_idx, row_of):
-    if (token_idx is None) != (row_of is None):
-        raise ValueError(f"{name}: token_idx and row_of go together (both from topk_router)")
-    if token_idx is not None:
-        ok = token_idx.dtype == row_of.dtype == torch.int32 and token_idx.dim() == 1 and row_of.dim() == 2
-        if not ok or row_of.shape[0] != x.shape[0] or token_idx.numel() != row_of.numel():
-            raise ValueError(f"{name}: token_idx (R,) and row_of (T, K) must be int32 with R = T*K")
 
 
 def grouped_mm_swiglu(
@@ -555,7 +446,12 @@ def grouped_mm_swiglu(
     _check_expert_inputs("grouped_mm_swiglu", x, w_up, offs, bias, w_up.shape[2])
     if w_up.shape[2] % 2:
         raise ValueError(f"grouped_mm_swiglu: w_up's last dim must be 2F (even), got {w_up.shape[2]}")
-    _check_token_idx("grouped_mm_swiglu", x, token_idx, row_of)
+    if (token_idx is None) != (row_of is None):
+        raise ValueError("grouped_mm_swiglu: token_idx and row_of go together (both from topk_router)")
+    if token_idx is not None:
+        ok = token_idx.dtype == row_of.dtype == torch.int32 and token_idx.dim() == 1 and row_of.dim() == 2
+        if not ok or row_of.shape[0] != x.shape[0] or token_idx.numel() != row_of.numel():
+            raise ValueError("grouped_mm_swiglu: token_idx (R,) and row_of (T, K) must be int32 with R = T*K")
     if not config.uses_triton(x.device):
         rows = x if token_idx is None else x[token_idx.long()]
         return grouped_mm_swiglu_ref(rows, w_up, offs, bias=bias, **_spec_kwargs(spec))
@@ -591,49 +487,6 @@ def grouped_mm_downproj(
             h, w_down, offs, bias=bias, aux_biased_acc=aux_biased_acc, **_spec_kwargs(spec)
         )
     return _downproj_op(h, w_down, offs, bias, aux_biased_acc, *_spec_args(spec))
-
-
-def expert_mlp(
-    x: torch.Tensor,
-    w_up: torch.Tensor,
-    w_down: torch.Tensor,
-    offs: torch.Tensor,
-    *,
-    b_up: torch.Tensor | None = None,
-    b_down: torch.Tensor | None = None,
-    swiglu_alpha: float = 1.702,
-    swiglu_limit: float | None = 7.0,
-    swiglu_linear_offset: float = 1.0,
-    gate_up_layout: str = "interleaved",
-    token_idx: torch.Tensor | None = None,
-    row_of: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The whole SwiGLU expert MLP: ``grouped_mm_downproj(grouped_mm_swiglu(x, ...), ...)`` as one op.
-
-    x (M, D), or the (T, D) tokens with ``token_idx`` / ``row_of`` (permute-free, see
-    :func:`grouped_mm_swiglu`); w_up (E, D, 2F); w_down (E, F, D); b_up (E, 2F), b_down (E, D) or
-    None; offs (E,) int32. Returns (M, D) (M = R with ``token_idx``), zero past offs[-1]. The forward
-    and the saved state (aux only) are those of the two-op form. As one autograd node, the backward
-    also fuses across the two projections: db_up comes out of the SwiGLU-backward pass, which is the
-    pass that writes d_aux, rather than from a second read of d_aux.
-    """
-    spec = SwiGLU(swiglu_alpha, swiglu_limit, swiglu_linear_offset, gate_up_layout)
-    _check_expert_inputs("expert_mlp", x, w_up, offs, b_up, w_up.shape[2])
-    e, d, two_f = w_up.shape
-    if two_f % 2 or w_down.dim() != 3 or tuple(w_down.shape) != (e, two_f // 2, d):
-        raise ValueError(f"expert_mlp: w_up {tuple(w_up.shape)} and w_down {tuple(w_down.shape)} must be "
-                         f"(E, D, 2F) and (E, F, D)")
-    if w_down.dtype != x.dtype or w_down.device != x.device:
-        raise TypeError(f"expert_mlp: w_down must match x's dtype and device, got {w_down.dtype} on {w_down.device}")
-    if b_down is not None and (b_down.shape != (e, d) or b_down.stride(-1) != 1 or b_down.device != x.device):
-        raise ValueError(f"expert_mlp: b_down must be (E, D) = ({e}, {d}) with unit column stride, on x's device")
-    _check_layout("w_down", w_down)
-    _check_token_idx("expert_mlp", x, token_idx, row_of)
-    kw = _spec_kwargs(spec)
-    if not config.uses_triton(x.device):
-        rows = x if token_idx is None else x[token_idx.long()]
-        return expert_mlp_ref(rows, w_up, w_down, offs, b_up=b_up, b_down=b_down, **kw)
-    return _expert_mlp_op(x, w_up, b_up, w_down, b_down, offs, token_idx, row_of, *_spec_args(spec))[0]
 
 
 def swiglu(

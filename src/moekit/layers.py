@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .experts import expert_mlp
+from .experts import grouped_mm_downproj, grouped_mm_swiglu
 from .routing import combine, topk_router
 
 
@@ -66,9 +66,11 @@ class GptOssExperts(nn.Module):
         w1, w2 = self.mlp1_weight_EGD, self.mlp2_weight_EDF
         if w1.dtype != x_RD.dtype:
             w1, w2 = w1.to(x_RD.dtype), w2.to(x_RD.dtype)
-        return expert_mlp(
-            x_RD, w1.mT, w2.mT, offs, b_up=self.mlp1_bias_EG, b_down=self.mlp2_bias_ED,
-            token_idx=token_idx_R, row_of=row_of_TK, **self.swiglu,
+        h, aux = grouped_mm_swiglu(
+            x_RD, w1.mT, offs, bias=self.mlp1_bias_EG, token_idx=token_idx_R, row_of=row_of_TK, **self.swiglu
+        )
+        return grouped_mm_downproj(
+            h, w2.mT, offs, bias=self.mlp2_bias_ED, aux_biased_acc=aux, **self.swiglu
         )
 
     def extra_repr(self) -> str:

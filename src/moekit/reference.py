@@ -94,17 +94,6 @@ def grouped_mm_downproj_ref(
     return out.to(h.dtype)
 
 
-def expert_mlp_ref(
-    x, w_up, w_down, offs, *, b_up=None, b_down=None, swiglu_alpha=1.702, swiglu_limit=7.0,
-    swiglu_linear_offset=1.0, gate_up_layout="interleaved",
-):
-    """Reference for :func:`moekit.expert_mlp` on expert-sorted rows x (M, D): the two-op chain."""
-    kw = dict(swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, swiglu_linear_offset=swiglu_linear_offset,
-              gate_up_layout=gate_up_layout)
-    h, aux = grouped_mm_swiglu_ref(x, w_up, offs, bias=b_up, **kw)
-    return grouped_mm_downproj_ref(h, w_down, offs, bias=b_down, aux_biased_acc=aux, **kw)
-
-
 def swiglu_ref(pre, *, swiglu_alpha=1.702, swiglu_limit=7.0, swiglu_linear_offset=1.0, gate_up_layout="interleaved"):
     """Reference for :func:`moekit.swiglu`: (M, 2F) -> (M, F), differentiable."""
     return swiglu_torch(pre, SwiGLU(swiglu_alpha, swiglu_limit, swiglu_linear_offset, gate_up_layout))

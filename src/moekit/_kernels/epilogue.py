@@ -1,9 +1,8 @@
 """Epilogue device functions shared by the fused GEMMs and the standalone kernels, plus those kernels.
 
 The SwiGLU math lives here once: ``swiglu_apply`` is called by the up-projection's epilogue and by
-``_swiglu_kernel``; ``swiglu_apply_bwd`` by ``_swiglu_bwd_kernel`` and by the grouped pass that the
-down-projection's backward runs right after its dgrad GEMM (``_kernels/experts.py``). Their torch
-twins are in ``moekit.epilogue``.
+``_swiglu_kernel``; ``swiglu_apply_bwd`` by ``_swiglu_bwd_kernel``, which the down-projection's
+backward runs right after its dgrad GEMM. Their torch twins are in ``moekit.epilogue``.
 """
 
 import triton
@@ -74,10 +73,7 @@ def _load_pairs(pre, rows, j, F, stride_m, BLOCK_R: tl.constexpr, BLOCK_F: tl.co
 @triton.jit
 def _store_pairs(dst, rows, j, F, stride_m, gate, lin, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
                  HALVES: tl.constexpr):
-    """Inverse of ``_load_pairs`` (rows are pre-clamped by the caller's mask through ``rows``).
-
-    Returns the stored values in storage order: (gate, lin) for halves, the interleaved
-    [BLOCK_R, 2 * BLOCK_F] tile twice otherwise."""
+    """Inverse of ``_load_pairs`` (rows are pre-clamped by the caller's mask through ``rows``)."""
     base = dst + rows[:, None].to(tl.int64) * stride_m
     row_ok = rows[:, None] >= 0
     if HALVES:
@@ -85,13 +81,10 @@ def _store_pairs(dst, rows, j, F, stride_m, gate, lin, BLOCK_R: tl.constexpr, BL
         mask = row_ok & (cols[None, :] < F)
         tl.store(base + cols[None, :], gate.to(dst.dtype.element_ty), mask=mask)
         tl.store(base + F + cols[None, :], lin.to(dst.dtype.element_ty), mask=mask)
-        first, second = gate, lin
     else:
         cols = 2 * j + tl.arange(0, 2 * BLOCK_F)
         both = join_pairs(gate, lin, BLOCK_R, BLOCK_F)
         tl.store(base + cols[None, :], both.to(dst.dtype.element_ty), mask=row_ok & (cols[None, :] < 2 * F))
-        first, second = both, both
-    return first, second
 
 
 @triton.jit
@@ -112,8 +105,10 @@ def _swiglu_kernel(
 
 @triton.jit
 def _swiglu_bwd_kernel(
-    pre, dh, dpre, M, F, stride_pre_m, stride_dh_m, stride_dpre_m,  # pre, dpre (M, 2F); dh (M, F)
+    pre, dh, dpre, h, M, F, stride_pre_m, stride_dh_m, stride_dpre_m, stride_h_m,  # pre, dpre (M, 2F); dh (M, F)
+    H_COLS,  # h (M, H_COLS) or None: F columns, or with ONES_COL F + 1 padded to a multiple of 64
     ALPHA: tl.constexpr, LIMIT: tl.constexpr, OFFSET: tl.constexpr, HALVES: tl.constexpr,
+    ONES_COL: tl.constexpr,  # h[:, F] = 1 and h[:, F + 1:H_COLS] = 0 (see grouped_mm_dswiglu)
     BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -123,5 +118,12 @@ def _swiglu_bwd_kernel(
     cols = j + tl.arange(0, BLOCK_F)
     mask = (rows[:, None] >= 0) & (cols[None, :] < F)
     grad = tl.load(dh + rows[:, None].to(tl.int64) * stride_dh_m + cols[None, :], mask=mask, other=0.0)
-    dg, dl, _ = swiglu_apply_bwd(gate, lin, grad.to(tl.float32), ALPHA, LIMIT, OFFSET)
+    dg, dl, out = swiglu_apply_bwd(gate, lin, grad.to(tl.float32), ALPHA, LIMIT, OFFSET)
     _store_pairs(dpre, rows, j, F, stride_dpre_m, dg, dl, BLOCK_R, BLOCK_F, HALVES)
+    if h is not None:  # the recomputed forward value, for a weight gradient that needs it
+        if ONES_COL:  # past F, gate and linear read as 0 and out is 0
+            # H_COLS, a multiple of 64, keeps the mask provably uniform over 8 columns, so the store
+            # stays vectorized; ``cols <= F`` made this pass 40% slower on an H100.
+            out = tl.where(cols[None, :] == F, 1.0, out)
+            mask = (rows[:, None] >= 0) & (cols[None, :] < H_COLS)
+        tl.store(h + rows[:, None].to(tl.int64) * stride_h_m + cols[None, :], out.to(h.dtype.element_ty), mask=mask)

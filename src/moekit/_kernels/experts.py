@@ -3,13 +3,8 @@
 * ``_grouped_mm_swiglu_kernel`` (up-projection forward): pre = x @ w_up[g] + b_up[g], rounded to the
   output dtype and stored as ``aux`` (M, 2F); h = SwiGLU(aux) (M, F) is computed from that rounded
   ``aux`` so that the backward's recompute reproduces it bit for bit.
-* ``_grouped_dswiglu_kernel`` (the backward pass after the down-projection's dgrad): d_aux =
-  dSwiGLU(aux) * dH and the recomputed h, walking the same expert-aligned row tiles as the GEMMs, so
-  that it can also leave each tile's column sums of d_aux (the up-projection's bias gradient) and a
-  column of ones next to h (which turns the dW_down GEMM into the db_down column sum as well).
 * ``_grouped_colsum_kernel``: per-group column sums of a row-ragged matrix (the bias gradients),
-  deterministic: one program per (column block, group), no atomics. ``_tile_colsum_kernel`` sums the
-  per-tile partial sums of ``_grouped_dswiglu_kernel`` per group the same way.
+  deterministic: one program per (column block, group), no atomics.
 
 Layouts of the (M, 2F) tensors: interleaved (gate, linear alternate) uses one descriptor/pointer
 ``*_a`` over all 2F columns; halves uses ``*_a`` over the gate half and ``*_b`` over the linear half,
@@ -19,7 +14,7 @@ so hardware bounds checks stop at F on each.
 import triton
 import triton.language as tl
 
-from .epilogue import _load_pairs, _store_pairs, split_pairs, swiglu_apply, swiglu_apply_bwd
+from .epilogue import split_pairs, swiglu_apply
 from .grouped_gemm import (
     _add_bias,
     _dot,
@@ -147,94 +142,3 @@ def _grouped_colsum_kernel(
     for r in range(start, end, BLOCK_R):
         acc += _load_2d(x, 0, r, tl.program_id(0) * BLOCK_C, end, N, stride_xm, 1, BLOCK_R, BLOCK_C).to(tl.float32)
     tl.store(out + g.to(tl.int64) * stride_oe + cols, tl.sum(acc, 0), mask=cols < N)
-
-
-@triton.jit
-def _dswiglu_rows(
-    pre, dh, dpre, h, rows, j, F, H_COLS, stride_pre_m, stride_dh_m, stride_dpre_m, stride_h_m,
-    ALPHA: tl.constexpr, LIMIT: tl.constexpr, OFFSET: tl.constexpr, HALVES: tl.constexpr,
-    ONES_COL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
-):
-    """One step of ``_grouped_dswiglu_kernel``: rows (-1 = masked) x h columns [j, j + BLOCK_F).
-    Returns the d_aux values it stored, as ``_store_pairs`` does (masked rows hold 0)."""
-    cols = j + tl.arange(0, BLOCK_F)
-    gate, lin = _load_pairs(pre, rows, j, F, stride_pre_m, BLOCK_R, BLOCK_F, HALVES)
-    mask = (rows[:, None] >= 0) & (cols[None, :] < F)
-    grad = tl.load(dh + rows[:, None].to(tl.int64) * stride_dh_m + cols[None, :], mask=mask, other=0.0)
-    dg, dl, out = swiglu_apply_bwd(gate, lin, grad.to(tl.float32), ALPHA, LIMIT, OFFSET)
-    if ONES_COL:  # columns past F read as 0, so out is 0 there: write 1 at F and 0 up to H_COLS
-        out = tl.where(cols[None, :] == F, 1.0, out)
-        mask = (rows[:, None] >= 0) & (cols[None, :] < H_COLS)
-    tl.store(h + rows[:, None].to(tl.int64) * stride_h_m + cols[None, :], out.to(h.dtype.element_ty), mask=mask)
-    return _store_pairs(dpre, rows, j, F, stride_dpre_m, dg, dl, BLOCK_R, BLOCK_F, HALVES)
-
-
-@triton.jit
-def _grouped_dswiglu_kernel(
-    pre, dh, dpre, h, part, offs_ptr,  # pre, dpre (M, 2F); dh (M, F); h (M, H_COLS); part (P, 2F) fp32 / None
-    M, F, E, H_COLS,  # H_COLS: h's columns to write, F or, with ONES_COL, F + 1 padded to a multiple of 64
-    stride_pre_m, stride_dh_m, stride_dpre_m, stride_h_m, stride_part,
-    ALPHA: tl.constexpr, LIMIT: tl.constexpr, OFFSET: tl.constexpr, HALVES: tl.constexpr,
-    ONES_COL: tl.constexpr,  # also write h[:, F] = 1
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_E: tl.constexpr,
-):
-    # Program (tile, split): tile is a BLOCK_M-row slice of one group (the GEMMs' tile list, tail group
-    # E included); the tile's column blocks of BLOCK_F are dealt round-robin to the programs of its
-    # splits, each walked BLOCK_R rows at a time. ``part[tile]`` gets the tile's column sums of d_aux
-    # in fp32 (before rounding), in d_aux's column order. Measured on an H100
-    # (benchmarks/sweep_dswiglu.py), each of these made the pass 30-70% slower: one program per
-    # (tile, column block) (finding the tile from offs costs a few reductions), a store mask
-    # ``cols <= F`` (not provably uniform over 8 columns), and a row reduction per step.
-    e, starts, ends, tiles, tiles_end, total = _group_table(offs_ptr, M, E, 1, BLOCK_M, BLOCK_E)
-    tile = tl.program_id(0)
-    if tile < total:  # the grid is an upper bound on the tile count
-        _, _, end, row, _ = _locate(tile, e, starts, ends, tiles, tiles_end, 1, BLOCK_M, 1)
-        for j in range(tl.program_id(1) * BLOCK_F, F + ONES_COL, tl.num_programs(1) * BLOCK_F):
-            j = tl.multiple_of(j, BLOCK_F)  # (a loop variable's alignment is unknown: no vector accesses)
-            # The first step is peeled so that the running sums start in the layout of the values.
-            rows = row + tl.arange(0, BLOCK_R)
-            sum_a, sum_b = _dswiglu_rows(
-                pre, dh, dpre, h, tl.where(rows < end, rows, -1), j, F, H_COLS,
-                stride_pre_m, stride_dh_m, stride_dpre_m, stride_h_m,
-                ALPHA, LIMIT, OFFSET, HALVES, ONES_COL, BLOCK_R, BLOCK_F,
-            )
-            for r in range(row + BLOCK_R, row + BLOCK_M, BLOCK_R):
-                rows = r + tl.arange(0, BLOCK_R)
-                a, b = _dswiglu_rows(
-                    pre, dh, dpre, h, tl.where(rows < end, rows, -1), j, F, H_COLS,
-                    stride_pre_m, stride_dh_m, stride_dpre_m, stride_h_m,
-                    ALPHA, LIMIT, OFFSET, HALVES, ONES_COL, BLOCK_R, BLOCK_F,
-                )
-                sum_a += a
-                sum_b += b
-            if part is not None:
-                base = part + tile.to(tl.int64) * stride_part
-                if HALVES:
-                    cols = j + tl.arange(0, BLOCK_F)
-                    tl.store(base + cols, tl.sum(sum_a, 0), mask=cols < F)
-                    tl.store(base + F + cols, tl.sum(sum_b, 0), mask=cols < F)
-                else:
-                    cols = 2 * j + tl.arange(0, 2 * BLOCK_F)
-                    tl.store(base + cols, tl.sum(sum_a, 0), mask=cols < 2 * F)
-
-
-@triton.jit
-def _tile_colsum_kernel(
-    part, offs_ptr, out,  # part (P, N) fp32 per-tile sums; out (E, N) fp32
-    M, N, E, stride_part, stride_oe,
-    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    # Group g's tiles are a contiguous run of the tile list ``_grouped_dswiglu_kernel`` walked; summed
-    # in a fixed order, so the result is deterministic. An empty group sums nothing: exact zero.
-    e, starts, ends, tiles, tiles_end, total = _group_table(offs_ptr, M, E, 1, BLOCK_M, BLOCK_E)
-    g = tl.program_id(1)
-    hit = e == g
-    last = tl.sum(tl.where(hit, tiles_end, 0), 0)
-    first = last - tl.sum(tl.where(hit, tiles, 0), 0)
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    ptrs = part + first.to(tl.int64) * stride_part + cols
-    for _ in range(first, last):
-        acc += tl.load(ptrs, mask=cols < N, other=0.0)
-        ptrs += stride_part
-    tl.store(out + g.to(tl.int64) * stride_oe + cols, acc, mask=cols < N)
