@@ -62,3 +62,30 @@ class TorchtitanMoE(nn.Module):
         out = torch.zeros(x.shape[0], x.shape[1], device=x.device, dtype=torch.float32)
         out = out.scatter_add(0, token[:, None].expand(-1, x.shape[1]), ys)
         return out.to(x.dtype).reshape(shape)
+
+
+def sonicmoe_block(d: int, f: int, e: int, top_k: int, device) -> nn.Module | None:
+    """SonicMoE's MoE block (Tri Dao's lab, CuTe-DSL) at the same shape, or None when it cannot be
+    imported (it needs its CuTe-DSL stack: ``../shared/tools/sonicmoe_bundle.sh``, unpacked by
+    benchmarks/run_gpu.sh). Configured as BENCH.md's reference figures were taken: plain SwiGLU
+    (no clamp, no +1), no biases, a router without bias. Calls return the (T, D) output only."""
+    if torch.device(device).type != "cuda":
+        return None
+    try:
+        from sonicmoe import MoE as SonicMoE
+        from sonicmoe.enums import ActivationType
+    except Exception:  # noqa: BLE001 - any import failure means "not available here"
+        return None
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.moe = SonicMoE(
+                num_experts=e, num_experts_per_tok=top_k, hidden_size=d, intermediate_size=f,
+                activation_function=ActivationType.SWIGLU, add_bias=False, std=0.02,
+            ).to(device=device, dtype=torch.bfloat16)
+
+        def forward(self, x):
+            return self.moe(x)[0]
+
+    return Block()

@@ -1,8 +1,10 @@
-"""MoE-block benchmark: moekit.MoE against the torchtitan-style block of BENCH.md.
+"""MoE-block benchmark: moekit.MoE against the torchtitan-style block of BENCH.md, and SonicMoE's
+block when it can be imported.
 
 Times forward and forward+backward (backward = the difference) of the whole block (router, dispatch,
 experts, combine) and measures saved activations (memory after the forward, minus before, minus the
-output), for the gpt-oss shapes at T tokens.
+output), for the gpt-oss shapes at T tokens. SonicMoE runs its own configuration (plain SwiGLU, no
+biases; ``baselines.sonicmoe_block``), so its row is a speed reference, not the same computation.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 from ..layers import MoE
 from ..testing import rel_errors
 from . import MoEShape, bench_ms, environment, run_table
-from .baselines import TorchtitanMoE
+from .baselines import TorchtitanMoE, sonicmoe_block
 from .experts import _saved_bytes
 
 
@@ -24,9 +26,14 @@ def run_shape(shape: MoEShape, device) -> dict:
     dy = torch.randn_like(x)
     params = [x, *moe.parameters()]
     row = {"shape": shape.name, "flops": 6.0 * shape.tokens * shape.top_k * shape.d * shape.f}
-    for name, mod in (("moekit", moe), ("torchtitan", base)):
+    impls = [("moekit", moe, params), ("torchtitan", base, params)]
+    sonic = sonicmoe_block(shape.d, shape.f, shape.e, shape.top_k, device)
+    if sonic is not None:
+        impls.append(("sonicmoe", sonic, [x, *sonic.parameters()]))
+        torch.autograd.grad(sonic(x), impls[-1][2], dy)  # its first call per shape autotunes
+    for name, mod, ps in impls:
         fwd_ms = bench_ms(lambda mod=mod: mod(x))
-        step_ms = bench_ms(lambda mod=mod: torch.autograd.grad(mod(x), params, dy))
+        step_ms = bench_ms(lambda mod=mod, ps=ps: torch.autograd.grad(mod(x), ps, dy))
         row[name] = dict(fwd=fwd_ms, bwd=max(step_ms - fwd_ms, 1e-6), saved=_saved_bytes(lambda mod=mod: mod(x)))
     with torch.no_grad():
         row["err"] = rel_errors(moe(x), base(x))[1]
@@ -43,7 +50,9 @@ def table(rows) -> str:
     ]
     for r in rows:
         base_total = r["torchtitan"]["fwd"] + r["torchtitan"]["bwd"]
-        for impl in ("moekit", "torchtitan"):
+        for impl in ("moekit", "torchtitan", "sonicmoe"):
+            if impl not in r:
+                continue
             m = r[impl]
             total = m["fwd"] + m["bwd"]
             ratio = m["saved"] / r["torchtitan"]["saved"] if r["torchtitan"]["saved"] else float("nan")
@@ -53,6 +62,12 @@ def table(rows) -> str:
                 f"{r['flops'] / m['fwd'] / 1e9:.0f} | {m['saved'] / 2**30:.2f} | {base_total / total:.2f}x | "
                 f"{ratio:.2f} | {err} |"
             )
+    sonic = [r for r in rows if "sonicmoe" in r]
+    if sonic:
+        out += ["", "| shape | moekit vs SonicMoE, fwd+bwd (SonicMoE: plain SwiGLU, no biases) |", "|---|---|"]
+        for r in sonic:
+            total = {i: r[i]["fwd"] + r[i]["bwd"] for i in ("moekit", "sonicmoe")}
+            out.append(f"| {r['shape']} | {total['sonicmoe'] / total['moekit']:.2f}x |")
     return "\n".join(out)
 
 
