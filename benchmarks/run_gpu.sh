@@ -20,9 +20,9 @@ for step in $steps; do
   case $step in
     tests) python3 -m pytest -m gpu -q -x tests 2>&1 | tee "$OUT/pytest.log" | tail -30 ;;
     sweep) python3 benchmarks/sweep_grouped_mm.py ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.md" ;;
-    bench) python3 -m moekit bench --out "$OUT" 2>&1 | grep -v "it/s\]" | tee "$OUT/bench.log" ;;
-    moe) python3 -m moekit bench --only moe --out "$OUT" 2>&1 | grep -v "it/s\]" | tee "$OUT/moe.log" ;;
-    experts) python3 -m moekit bench --only experts --out "$OUT" 2>&1 | grep -v "it/s\]" | tee "$OUT/experts.log" ;;
+    bench) python3 -m moekit bench --out "$OUT" 2>&1 | grep --line-buffered -v "it/s\]" | tee "$OUT/bench.log" ;;
+    moe) python3 -m moekit bench --only moe --out "$OUT" 2>&1 | grep --line-buffered -v "it/s\]" | tee "$OUT/moe.log" ;;
+    experts) python3 -m moekit bench --only experts --out "$OUT" 2>&1 | grep --line-buffered -v "it/s\]" | tee "$OUT/experts.log" ;;
     profile) for s in gpt-oss-20b gpt-oss-120b; do python3 benchmarks/profile_experts.py --shape $s; done 2>&1 | tee "$OUT/profile.log" ;;
   esac
 done

@@ -32,6 +32,9 @@ def _step_tflops(path: str) -> dict:
     return out
 
 
+_COLORS = {"moekit": "tab:blue", "sonicmoe": "tab:purple", "torchtitan": "tab:orange", "dense": "tab:gray"}
+
+
 def plot(tables: dict[str, str], path: str) -> None:
     """One panel per table: bars of effective TF/s (expert FLOPs of forward + backward over time)."""
     import matplotlib
@@ -43,11 +46,11 @@ def plot(tables: dict[str, str], path: str) -> None:
     for ax, (title, table) in zip(axes[0], tables.items(), strict=True):
         data = _step_tflops(table)
         shapes = sorted({s for s, _ in data})
-        impls = [i for i in ("moekit", "torchtitan", "dense") if any((s, i) in data for s in shapes)]
+        impls = [i for i in ("moekit", "sonicmoe", "torchtitan", "dense") if any((s, i) in data for s in shapes)]
         width = 0.8 / len(impls)
         for k, impl in enumerate(impls):
             xs = [j + (k - (len(impls) - 1) / 2) * width for j in range(len(shapes))]
-            ax.bar(xs, [data.get((s, impl), 0) for s in shapes], width, label=impl)
+            ax.bar(xs, [data.get((s, impl), 0) for s in shapes], width, label=impl, color=_COLORS[impl])
         ax.set_xticks(range(len(shapes)), shapes)
         ax.set_ylabel("TF/s (fwd + bwd)")
         ax.set_title(title)
