@@ -6,7 +6,7 @@ import torch
 
 from moekit import GptOssExperts, grouped_mm_downproj, grouped_mm_downproj_ref, grouped_mm_swiglu, grouped_mm_swiglu_ref
 from moekit.bench.baselines import TorchtitanGptOssExperts
-from moekit.experts import _colsum_op, _downproj_bwd_op, _downproj_op, _swiglu_act_op, _swiglu_op
+from moekit.experts import _colsum_op, _downproj_bwd_op, _downproj_op, _gathered_wgrad_op, _swiglu_act_op, _swiglu_op
 from moekit.testing import assert_within_baseline, offs_from_counts, reference_run, routed_counts
 
 pytestmark = pytest.mark.gpu
@@ -159,4 +159,11 @@ def test_opcheck():
     torch.library.opcheck(_downproj_bwd_op, (dy, w2, offs, aux, True, True, *spec))  # db_down in the wgrad
     torch.library.opcheck(_downproj_bwd_op, (dy, w2, offs, aux, False, True, *spec))  # a column-sum pass
     torch.library.opcheck(_colsum_op, (dy, offs))
+    from moekit.routing import route_metadata
+
+    ids = torch.rand(500, 3, device=DEV).topk(2, -1).indices.to(torch.int32)
+    _, offs3, token_idx, _ = route_metadata(ids, 3)
+    tokens = torch.randn(500, 200, device=DEV, dtype=BF16)  # D = 200: the ones column fits the last tile
+    d_aux = torch.randn(1000, 96, device=DEV, dtype=BF16)
+    torch.library.opcheck(_gathered_wgrad_op, (tokens, token_idx, d_aux, offs3))
     torch.library.opcheck(_swiglu_act_op, (_leaf(aux), *spec))

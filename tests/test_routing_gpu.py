@@ -20,19 +20,29 @@ def test_route_metadata_exact(t, e, k):
         assert torch.equal(a, b)
 
 
+D, F = 576, 320  # neither a multiple of 128: both bias gradients ride on the weight-gradient GEMMs
+
+
 def _case():
     torch.manual_seed(5)
-    moe = MoE(512, 384, 16, 4, device=DEV, dtype=BF16)
-    x = torch.randn(2048, 512, device=DEV, dtype=BF16, requires_grad=True)
+    moe = MoE(D, F, 16, 4, device=DEV, dtype=BF16)
+    x = torch.randn(2048, D, device=DEV, dtype=BF16, requires_grad=True)
     return moe, x, torch.randn_like(x)
 
 
 def test_moe_against_torchtitan_block():
     moe, x, dy = _case()
-    out, ref = moe(x), TorchtitanMoE(moe)(x)
-    moe32 = MoE(512, 384, 16, 4, device=DEV, dtype=torch.float32)
+    base = TorchtitanMoE(moe)
+    moe32 = MoE(D, F, 16, 4, device=DEV, dtype=torch.float32)
     moe32.load_state_dict({k: v.float() for k, v in moe.state_dict().items()})
-    assert_within_baseline(out, TorchtitanMoE(moe32)(x.detach().float()), ref, what="moe")
+    x32 = x.detach().float().requires_grad_()
+    outs = [m(xx) for m, xx in ((moe, x), (base, x), (TorchtitanMoE(moe32), x32))]
+    assert_within_baseline(outs[0], outs[2], outs[1], what="moe")
+    grads = [torch.autograd.grad(o, [xx, *m.parameters()], dy.to(o.dtype))
+             for o, xx, m in zip(outs, (x, x, x32), (moe, moe, moe32), strict=True)]
+    names = ["x"] + [n for n, _ in moe.named_parameters()]
+    for name, got, want, base_grad in zip(names, *grads, strict=True):
+        assert_within_baseline(got, want, base_grad, what=f"d{name}")
 
 
 def test_moe_no_sync_graph_compile():

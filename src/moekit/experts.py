@@ -38,7 +38,7 @@ from .grouped_gemm import (
     grouped_mm_fwd,
 )
 from .reference import grouped_mm_downproj_ref, grouped_mm_swiglu_ref, swiglu_ref
-from .routing import _gather_bwd_op
+from .routing import _gather_bwd_op, gather_rows_fwd
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -310,6 +310,22 @@ def _(x, offs):
     return x.new_empty((offs.shape[0], x.shape[1]), dtype=torch.float32)
 
 
+@torch.library.custom_op("moekit::gathered_wgrad_bias", mutates_args=())
+def _gathered_wgrad_op(
+    x: torch.Tensor, token_idx: torch.Tensor, d_aux: torch.Tensor, offs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Permute-free up-projection weight and bias gradients: x (T, D), token_idx (R,), d_aux (R, 2F)
+    -> (dW_up (E, D, 2F), db_up (E, 2F) fp32), through a gathered copy of x with a ones column."""
+    xa = gather_rows_fwd(x, token_idx, ones_col=True)
+    return _ragged_k(xa.mT, d_aux, offs, d_aux.dtype, None, ones_row=True)
+
+
+@_gathered_wgrad_op.register_fake
+def _(x, token_idx, d_aux, offs):
+    e = offs.shape[0]
+    return d_aux.new_empty((e, x.shape[1], d_aux.shape[1])), d_aux.new_empty((e, d_aux.shape[1]), dtype=torch.float32)
+
+
 @torch.library.custom_op("moekit::grouped_mm_downproj", mutates_args=())
 def _downproj_op(
     h: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, bias: torch.Tensor | None, aux: torch.Tensor | None,
@@ -350,14 +366,23 @@ def _swiglu_backward(ctx, grad_h, grad_aux):
     d_aux = _matrix_ready(grad_aux)
     need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
     grad_x = _grouped_mm_op(d_aux, w.mT, offs, None) if need_x else None
+    grad_b = None
     if token_idx is None:
         grad_w = _grouped_mm_op(x.mT, d_aux, offs, None) if need_w else None
     else:  # permute-free: sum each token's K rows (no atomics)
         grad_x = _gather_bwd_op(grad_x, row_of) if need_x else None
         # dW_up re-gathers x's token rows into a transient copy: a gathered (pointer-loaded) A^T in the
         # wgrad GEMM measured 2.7 ms slower per gpt-oss-20b step than this ~0.4 ms copy plus TMA loads.
-        grad_w = _grouped_mm_op(x.index_select(0, token_idx).mT, d_aux, offs, None) if need_w else None
-    grad_b = _bias_grad(d_aux, offs, bias) if need_b else None
+        # The copy can carry a column of ones for free, which hands db_up to the same GEMM.
+        if need_w and need_b and x.shape[1] % _ONES_ROW_TILE != 0:
+            grad_w, grad_b = _gathered_wgrad_op(x, token_idx, d_aux, offs)
+            grad_b = grad_b.to(bias.dtype)
+        elif need_w:
+            grad_w = _grouped_mm_op(x.index_select(0, token_idx).mT, d_aux, offs, None)
+        else:
+            grad_w = None
+    if need_b and grad_b is None:
+        grad_b = _bias_grad(d_aux, offs, bias)
     return grad_x, grad_w, None, grad_b, None, None, None, None, None, None
 
 

@@ -18,7 +18,13 @@ import torch
 import triton
 
 from . import config
-from ._kernels.routing import _combine_bwd_kernel, _combine_kernel, _route_histogram_kernel, _route_scatter_kernel
+from ._kernels.routing import (
+    _combine_bwd_kernel,
+    _combine_kernel,
+    _gather_rows_kernel,
+    _route_histogram_kernel,
+    _route_scatter_kernel,
+)
 
 _BLOCK = 128  # routed entries per program of the metadata kernels
 
@@ -93,6 +99,20 @@ def route_metadata(experts: torch.Tensor, num_experts: int):
         flat, block_base, row_of, token_idx, r, num_experts, k, BLOCK=_BLOCK, BLOCK_E=block_e
     )
     return counts, offs, token_idx, row_of
+
+
+def gather_rows_fwd(x: torch.Tensor, token_idx: torch.Tensor, *, ones_col: bool = False) -> torch.Tensor:
+    """x (T, D), token_idx (R,) int32 -> x[token_idx] (R, D); with ``ones_col`` a (R, D + 1) view of a
+    buffer whose rows are padded to a multiple of 64 elements, the last column being ones."""
+    r, d = token_idx.numel(), x.shape[1]
+    cols = triton.cdiv(d + 1, 64) * 64 if ones_col else d
+    out = config.empty((r, cols), dtype=x.dtype, device=x.device)
+    if r and cols:
+        br, bd = (4, 32) if config.is_interpreting() else (8, 256)
+        _gather_rows_kernel[(triton.cdiv(r, br), triton.cdiv(cols, bd))](
+            x, token_idx, out, r, d, cols, x.stride(0), out.stride(0), ONES_COL=ones_col, BLOCK_R=br, BLOCK_D=bd
+        )
+    return out[:, : d + 1] if ones_col else out
 
 
 def _combine_blocks():
@@ -180,7 +200,7 @@ _combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 @torch.library.custom_op("moekit::gather_rows", mutates_args=())
 def _gather_op(x: torch.Tensor, token_idx: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
-    return x.index_select(0, token_idx)
+    return gather_rows_fwd(x, token_idx)
 
 
 @_gather_op.register_fake
