@@ -126,7 +126,9 @@ def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig
     return h, aux
 
 
-_ONES_ROW_TILE = 128  # the wgrad's block_m: h's ones column is free when F leaves a partial row tile
+# block_m of the wgrad configs (config.grouped_mm_config): a ones column appended to an operand of
+# width F (or D) is free when F leaves that GEMM a partial last row tile.
+_ONES_ROW_TILE = 128
 
 
 def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = False):
@@ -141,7 +143,8 @@ def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = Fal
     Why not the GEMM's epilogue: measured on an H100 at gpt-oss-20b, fusing it there costs 4.28 ms
     against 2.32 ms + ~1.2 ms this way. The epilogue moves 2.8 GB that Triton 3.6's non-warp-specialized
     persistent loop cannot overlap with the next tile's MMAs, and its register needs force 128x128
-    tiles (bench/NOTES.md). Warp specialization would change that verdict.
+    tiles: every 128x256 variant tried spills (bench/NOTES.md, expert MLP entries 1 and 8). Warp
+    specialization would change that verdict.
     """
     dh = grouped_mm_fwd(grad, w.mT, offs)
     return swiglu_bwd(aux, dh, spec, with_h=True, ones_col=ones_col)
