@@ -56,6 +56,23 @@ def bench_ms(fn, *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def interleaved_ms(fns: dict, *, rounds: int = 3, rep_ms: float = 100, tolerate_errors: bool = False) -> dict:
+    """Median ms per entry of ``fns`` over ``rounds`` rounds, the order rotating each round, so clock
+    drift and neighbours on a shared GPU weigh on every implementation alike. With
+    ``tolerate_errors``, an entry that raises reports nan (a baseline that cannot run a layout)."""
+    names = list(fns)
+    samples = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names) :] + names[: r % len(names)]:
+            try:
+                samples[n].append(bench_ms(fns[n], rep_ms=rep_ms))
+            except Exception:
+                if not tolerate_errors:
+                    raise
+                samples[n].append(float("nan"))
+    return {n: sorted(v)[len(v) // 2] for n, v in samples.items()}
+
+
 def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
     src = torch.randn(nbytes // 4, device="cuda")

@@ -1,8 +1,9 @@
 """Expert-MLP benchmark: moekit.GptOssExperts against the torchtitan-style experts of BENCH.md.
 
 For each shape (balanced top-k routing, T tokens), times forward and forward+backward (backward =
-the difference), measures saved activations (memory allocated after the forward, minus before,
-minus the output), and the TF/s of dense matmuls of the same shapes as the practical ceiling.
+the difference; all implementations interleaved over rotating rounds), measures saved activations
+(memory allocated after the forward, minus before, minus the output), and the TF/s of dense matmuls
+of the same shapes as the practical ceiling.
 FLOPs: 6*R*D*F forward, twice that backward (R = T*top_k routed rows).
 """
 
@@ -14,7 +15,7 @@ import torch
 
 from ..layers import GptOssExperts
 from ..testing import rel_errors, routed_counts
-from . import MoEShape, bench_ms, environment, run_table
+from . import MoEShape, environment, interleaved_ms, run_table
 from .baselines import TorchtitanGptOssExperts
 
 
@@ -71,7 +72,7 @@ def run_shape(shape: MoEShape, device) -> ExpertRow:
     base = TorchtitanGptOssExperts(ex)
     x = torch.randn(rows, shape.d, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(rows, shape.d, device=device, dtype=torch.bfloat16)
-    ms, saved = {}, {}
+    fns, saved = {}, {}
     for name, mod in (("moekit", ex), ("torchtitan", base)):
 
         def fwd(mod=mod):
@@ -81,12 +82,12 @@ def run_shape(shape: MoEShape, device) -> ExpertRow:
             # autograd.grad, not .backward: accumulating into .grad would add a GB-sized add per weight
             torch.autograd.grad(mod(x, counts), [x, *ex.parameters()], dy)
 
-        ms[name, "fwd"] = bench_ms(fwd)
-        ms[name, "bwd"] = max(bench_ms(step) - ms[name, "fwd"], 1e-6)
+        fns[name, "fwd"], fns[name, "step"] = fwd, step
         saved[name] = _saved_bytes(fwd)
-    dense_fwd, dense_bwd = _dense_calls(x.detach(), shape.d, shape.f, device)
-    ms["dense", "fwd"] = bench_ms(dense_fwd)
-    ms["dense", "bwd"] = bench_ms(dense_bwd)
+    fns["dense", "fwd"], fns["dense", "bwd"] = _dense_calls(x.detach(), shape.d, shape.f, device)
+    ms = interleaved_ms(fns)  # rounds with a rotating order: drift weighs on every implementation alike
+    for name in ("moekit", "torchtitan"):
+        ms[name, "bwd"] = max(ms.pop((name, "step")) - ms[name, "fwd"], 1e-6)
     with torch.no_grad():
         err = rel_errors(ex(x, counts), base(x, counts))[1]
     return ExpertRow(shape.name, 6.0 * rows * shape.d * shape.f, ms, saved, err)

@@ -13,7 +13,7 @@ import torch
 
 from .. import grouped_mm
 from ..testing import offs_from_counts, rel_errors, routed_counts
-from . import CPU_SHAPES, SHAPES, MoEShape, bench_ms, copy_bandwidth_gbs, environment, geomean
+from . import CPU_SHAPES, SHAPES, MoEShape, copy_bandwidth_gbs, environment, geomean, interleaved_ms
 
 OPS = ("fwd", "dgrad", "wgrad")
 
@@ -71,20 +71,6 @@ def _calls(x, dy, w, offs, device):
     return calls
 
 
-def _interleaved(fns: dict, rounds: int) -> dict:
-    """Median ms per impl over ``rounds`` rounds, the impl order rotating each round, so clock drift
-    and neighbours on a shared GPU weigh on every impl alike. A failing impl reports nan."""
-    names = list(fns)
-    samples = {n: [] for n in names}
-    for r in range(rounds):
-        for n in names[r % len(names) :] + names[: r % len(names)]:
-            try:
-                samples[n].append(bench_ms(fns[n], rep_ms=40))
-            except Exception:  # a baseline that cannot run this layout is reported, not fatal
-                samples[n].append(float("nan"))
-    return {n: sorted(v)[len(v) // 2] for n, v in samples.items()}
-
-
 def run(
     shape_names, *, routings=("balanced", "skewed"), projs=("up", "down"), rounds: int = 3, progress=None
 ) -> list[Row]:
@@ -98,7 +84,8 @@ def run(
         calls = _calls(x, dy, w, offs, device)
         (r, k), n = x.shape, dy.shape[1]
         for op in OPS:
-            ms = _interleaved({impl: fns[op] for impl, fns in calls.items()}, rounds)
+            ms = interleaved_ms({impl: fns[op] for impl, fns in calls.items()}, rounds=rounds, rep_ms=40,
+                                tolerate_errors=True)
             try:
                 err = rel_errors(calls["moekit"][op](), calls["torch"][op]())[1]
             except Exception:

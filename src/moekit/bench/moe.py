@@ -1,7 +1,8 @@
 """MoE-block benchmark: moekit.MoE against the torchtitan-style block of BENCH.md, and SonicMoE's
 block when it can be imported.
 
-Times forward and forward+backward (backward = the difference) of the whole block (router, dispatch,
+Times forward and forward+backward (backward = the difference; implementations interleaved over
+rotating rounds) of the whole block (router, dispatch,
 experts, combine) and measures saved activations (memory after the forward, minus before, minus the
 output), for the gpt-oss shapes at T tokens. SonicMoE runs its own configuration (plain SwiGLU, no
 biases; ``baselines.sonicmoe_block``), so its row is a speed reference, not the same computation.
@@ -13,7 +14,7 @@ import torch
 
 from ..layers import MoE
 from ..testing import rel_errors
-from . import MoEShape, bench_ms, environment, run_table
+from . import MoEShape, environment, interleaved_ms, run_table
 from .baselines import TorchtitanMoE, sonicmoe_block
 from .experts import _saved_bytes
 
@@ -31,10 +32,14 @@ def run_shape(shape: MoEShape, device) -> dict:
     if sonic is not None:
         impls.append(("sonicmoe", sonic, [x, *sonic.parameters()]))
         torch.autograd.grad(sonic(x), impls[-1][2], dy)  # its first call per shape autotunes
+    fns = {}
     for name, mod, ps in impls:
-        fwd_ms = bench_ms(lambda mod=mod: mod(x))
-        step_ms = bench_ms(lambda mod=mod, ps=ps: torch.autograd.grad(mod(x), ps, dy))
-        row[name] = dict(fwd=fwd_ms, bwd=max(step_ms - fwd_ms, 1e-6), saved=_saved_bytes(lambda mod=mod: mod(x)))
+        fns[name, "fwd"] = lambda mod=mod: mod(x)
+        fns[name, "step"] = lambda mod=mod, ps=ps: torch.autograd.grad(mod(x), ps, dy)
+    ms = interleaved_ms(fns)  # rounds with a rotating order: drift weighs on every implementation alike
+    for name, mod, _ in impls:
+        fwd_ms, saved = ms[name, "fwd"], _saved_bytes(lambda mod=mod: mod(x))
+        row[name] = dict(fwd=fwd_ms, bwd=max(ms[name, "step"] - fwd_ms, 1e-6), saved=saved)
     with torch.no_grad():
         row["err"] = rel_errors(moe(x), base(x))[1]
     return row
