@@ -7,6 +7,7 @@ isolates it when that run misbehaves.
     PYTHONPATH=src:/tmp/site:/tmp/site/nvidia_cutlass_dsl/python_packages python3 benchmarks/probe_sonic.py
 """
 
+import os
 import time
 
 import torch
@@ -16,6 +17,7 @@ from moekit.bench.baselines import sonicmoe_block
 
 
 def main():
+    os.environ["MOEKIT_BENCH_SONICMOE"] = "1"
     t0 = time.time()
     blk = sonicmoe_block(2880, 2880, 32, 4, "cuda")
     if blk is None:

@@ -10,7 +10,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 if [ -f .sonic/sonic.tar.xz ]; then  # SonicMoE for the block benchmark (../shared/tools/sonicmoe_bundle.sh)
   mkdir -p /tmp/site && tar -C /tmp/site -xJf .sonic/sonic.tar.xz
-  export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/site/nvidia_cutlass_dsl/python_packages
+  export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/site/nvidia_cutlass_dsl/python_packages MOEKIT_BENCH_SONICMOE=1
 fi
 steps=${*:-tests sweep bench}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -65,11 +67,13 @@ class TorchtitanMoE(nn.Module):
 
 
 def sonicmoe_block(d: int, f: int, e: int, top_k: int, device) -> nn.Module | None:
-    """SonicMoE's MoE block (Tri Dao's lab, CuTe-DSL) at the same shape, or None when it cannot be
-    imported (it needs its CuTe-DSL stack: ``../shared/tools/sonicmoe_bundle.sh``, unpacked by
-    benchmarks/run_gpu.sh). Configured as BENCH.md's reference figures were taken: plain SwiGLU
-    (no clamp, no +1), no biases, a router without bias. Calls return the (T, D) output only."""
-    if torch.device(device).type != "cuda":
+    """SonicMoE's MoE block (Tri Dao's lab, CuTe-DSL) at the same shape, or None unless asked for
+    with ``MOEKIT_BENCH_SONICMOE=1`` and importable (it needs its CuTe-DSL stack:
+    ``../shared/tools/sonicmoe_bundle.sh``, unpacked by benchmarks/run_gpu.sh). Opt-in because the
+    block benchmark hung in three of four H100 runs with it (bench/results/2026-11-22-h100-moe).
+    Configured as BENCH.md's reference figures were taken: plain SwiGLU (no clamp, no +1), no
+    biases, a router without bias. Calls return the (T, D) output only."""
+    if torch.device(device).type != "cuda" or os.environ.get("MOEKIT_BENCH_SONICMOE", "0") != "1":
         return None
     try:
         from sonicmoe import MoE as SonicMoE
