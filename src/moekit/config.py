@@ -112,6 +112,15 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+_WGRAD_BLOCK_M = 128  # block_m of every ragged-K (wgrad) configuration below
+
+
+def ones_row_is_free(rows: int) -> bool:
+    """Whether a row of ones appended to a wgrad operand of ``rows`` rows costs no MMA work: the
+    ragged-K GEMM's last row tile is then partial, and the extra row lands in its padding."""
+    return rows % _WGRAD_BLOCK_M != 0
+
+
 _INTERPRETER_CONFIG = TileConfig(block_m=32, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
 
 
@@ -157,10 +166,10 @@ def grouped_mm_config(
     elif k <= 128:
         # A K loop of one or two steps: storing the (E, M, N) output dominates. Two programs per SM,
         # each small enough to share it, overlap one's store with the other's loads.
-        cfg = TileConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=2,
+        cfg = TileConfig(block_m=_WGRAD_BLOCK_M, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=2,
                          split_store=True, programs_per_sm=2)
     else:
         # sweep_wgrad_v3: 3 stages, GROUP_M 8, no flattening wins or ties on every wgrad measured
         # (gpt-oss-20b up 4.82 ms vs 5.14 with 4 stages + split store; mixtral down 8.30 vs 8.54).
-        cfg = TileConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
+        cfg = TileConfig(block_m=_WGRAD_BLOCK_M, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
     return _fit_stages(cfg, out_bytes)

@@ -38,7 +38,7 @@ from .grouped_gemm import (
     grouped_mm_fwd,
 )
 from .reference import grouped_mm_downproj_ref, grouped_mm_swiglu_ref, swiglu_ref
-from .routing import _gather_bwd_op, gather_rows_fwd
+from .routing import _gather_bwd_op, gather_rows_with_ones
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -126,11 +126,6 @@ def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig
     return h, aux
 
 
-# block_m of the wgrad configs (config.grouped_mm_config): a ones column appended to an operand of
-# width F (or D) is free when F leaves that GEMM a partial last row tile.
-_ONES_ROW_TILE = 128
-
-
 def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = False):
     """Down-projection dgrad followed by the SwiGLU backward.
 
@@ -157,7 +152,7 @@ def downproj_bwd(grad, w, offs, aux, spec: SwiGLU, *, need_w: bool, need_b: bool
     db_down rides on the dW_down GEMM through h's ones column when F leaves that GEMM a partial row
     tile, where the extra row costs nothing; otherwise it is a column-sum pass over dOut."""
     f = aux.shape[1] // 2
-    ones = need_w and need_b and f % _ONES_ROW_TILE != 0
+    ones = need_w and need_b and config.ones_row_is_free(f)
     d_aux, h = grouped_mm_dswiglu(grad, w, offs, aux, spec, ones_col=ones)
     if ones:
         dw, db = _ragged_k(h.mT, grad, offs, grad.dtype, None, ones_row=True)
@@ -319,7 +314,7 @@ def _gathered_wgrad_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Permute-free up-projection weight and bias gradients: x (T, D), token_idx (R,), d_aux (R, 2F)
     -> (dW_up (E, D, 2F), db_up (E, 2F) fp32), through a gathered copy of x with a ones column."""
-    xa = gather_rows_fwd(x, token_idx, ones_col=True)
+    xa = gather_rows_with_ones(x, token_idx)
     return _ragged_k(xa.mT, d_aux, offs, d_aux.dtype, None, ones_row=True)
 
 
@@ -377,7 +372,7 @@ def _swiglu_backward(ctx, grad_h, grad_aux):
         # dW_up re-gathers x's token rows into a transient copy: a gathered (pointer-loaded) A^T in the
         # wgrad GEMM measured 2.7 ms slower per gpt-oss-20b step than this ~0.4 ms copy plus TMA loads.
         # The copy can carry a column of ones for free, which hands db_up to the same GEMM.
-        if need_w and need_b and x.shape[1] % _ONES_ROW_TILE != 0:
+        if need_w and need_b and config.ones_row_is_free(x.shape[1]):
             grad_w, grad_b = _gathered_wgrad_op(x, token_idx, d_aux, offs)
             grad_b = grad_b.to(bias.dtype)
         elif need_w:

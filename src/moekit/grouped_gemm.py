@@ -190,8 +190,9 @@ def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None, *, ones_row:
     if m == 0 or n == 0:
         return result
     if kt == 0:
-        out.zero_()
-        return (out, colsum.zero_()) if ones_row else out
+        for t in (out, colsum) if ones_row else (out,):
+            t.zero_()
+        return result
     # TMA bounds the ragged reduction dim only on a memory-row axis: a's unit stride must run along
     # M and b's along N (the layout autograd hands over: x.mT and dy). Otherwise the pointer path.
     tma = (

@@ -21,7 +21,7 @@ from . import config
 from ._kernels.routing import (
     _combine_bwd_kernel,
     _combine_kernel,
-    _gather_rows_kernel,
+    _gather_rows_ones_kernel,
     _route_histogram_kernel,
     _route_scatter_kernel,
 )
@@ -101,18 +101,18 @@ def route_metadata(experts: torch.Tensor, num_experts: int):
     return counts, offs, token_idx, row_of
 
 
-def gather_rows_fwd(x: torch.Tensor, token_idx: torch.Tensor, *, ones_col: bool = False) -> torch.Tensor:
-    """x (T, D), token_idx (R,) int32 -> x[token_idx] (R, D); with ``ones_col`` a (R, D + 1) view of a
-    buffer whose rows are padded to a multiple of 64 elements, the last column being ones."""
+def gather_rows_with_ones(x: torch.Tensor, token_idx: torch.Tensor) -> torch.Tensor:
+    """x (T, D), token_idx (R,) int32 -> [x[token_idx] | 1] as a (R, D + 1) view of a buffer whose rows
+    are padded to a multiple of 64 elements (``index_select`` cannot write into such a buffer)."""
     r, d = token_idx.numel(), x.shape[1]
-    cols = triton.cdiv(d + 1, 64) * 64 if ones_col else d
+    cols = triton.cdiv(d + 1, 64) * 64
     out = config.empty((r, cols), dtype=x.dtype, device=x.device)
-    if r and cols:
+    if r:
         br, bd = (4, 32) if config.is_interpreting() else (8, 256)
-        _gather_rows_kernel[(triton.cdiv(r, br), triton.cdiv(cols, bd))](
-            x, token_idx, out, r, d, cols, x.stride(0), out.stride(0), ONES_COL=ones_col, BLOCK_R=br, BLOCK_D=bd
+        _gather_rows_ones_kernel[(triton.cdiv(r, br), triton.cdiv(cols, bd))](
+            x, token_idx, out, r, d, cols, x.stride(0), out.stride(0), BLOCK_R=br, BLOCK_D=bd
         )
-    return out[:, : d + 1] if ones_col else out
+    return out[:, : d + 1]
 
 
 def _combine_blocks():
@@ -200,7 +200,7 @@ _combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 @torch.library.custom_op("moekit::gather_rows", mutates_args=())
 def _gather_op(x: torch.Tensor, token_idx: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
-    return gather_rows_fwd(x, token_idx)
+    return x.index_select(0, token_idx)
 
 
 @_gather_op.register_fake

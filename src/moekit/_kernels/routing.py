@@ -5,8 +5,9 @@
   argsort of the flattened expert ids would give it, and the token of every sorted row.
 * ``_combine_kernel``: out[t] = sum_k w[t, k] * y[row_of[t, k]] in fp32 (gather-reduce).
 * ``_combine_bwd_kernel``: dy[row_of[t, k]] = w[t, k] * dout[t], and dw[t, k] = <dout[t], y[row_of[t, k]]>.
-* ``_gather_rows_kernel``: out[r] = x[token_idx[r]], optionally followed by a column of ones (the
-  permute-free backward's copy of x for dW_up, whose ones column makes that GEMM yield db_up too).
+* ``_gather_rows_ones_kernel``: out[r] = x[token_idx[r]] followed by a column of ones (the
+  permute-free backward's copy of x for dW_up, whose ones column makes that GEMM yield db_up too;
+  a plain gather is ``index_select``).
 """
 
 import triton
@@ -93,16 +94,16 @@ def _combine_bwd_kernel(
 
 
 @triton.jit
-def _gather_rows_kernel(
+def _gather_rows_ones_kernel(
     x, token_idx, out, R, D, OUT_COLS, stride_x, stride_out,  # x (T, D); token_idx (R,); out (R, OUT_COLS)
-    ONES_COL: tl.constexpr,  # out[:, D] = 1 and out[:, D + 1:OUT_COLS] = 0; else OUT_COLS = D
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    # out[r, :D] = x[token_idx[r]], out[r, D] = 1, out[r, D + 1:OUT_COLS] = 0. OUT_COLS is a multiple
+    # of 64, so the store mask stays uniform over vector widths and the stores stay vectorized.
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     src = tl.load(token_idx + r, mask=r < R, other=0).to(tl.int64)
     vals = tl.load(x + src[:, None] * stride_x + cols[None, :], mask=(r[:, None] < R) & (cols[None, :] < D), other=0.0)
-    if ONES_COL:  # OUT_COLS is a multiple of 64, so the store mask stays uniform over vector widths
-        vals = tl.where(cols[None, :] == D, 1.0, vals.to(tl.float32))  # (exact: x is bf16/fp16)
+    vals = tl.where(cols[None, :] == D, 1.0, vals.to(tl.float32))  # (exact: x is bf16/fp16)
     mask = (r[:, None] < R) & (cols[None, :] < OUT_COLS)
     tl.store(out + r[:, None].to(tl.int64) * stride_out + cols[None, :], vals.to(out.dtype.element_ty), mask=mask)
