@@ -100,6 +100,14 @@ def use_tma(device: torch.device) -> bool:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
 
 
+def use_pingpong(device: torch.device) -> bool:
+    """The warp-specialized Gluon kernels (``_kernels/hopper_gemm.py``): Hopper (sm_90) only, on by
+    default there; ``MOEKIT_NO_PINGPONG=1`` falls back to the Triton kernels."""
+    if os.environ.get("MOEKIT_NO_PINGPONG", "0") not in ("", "0") or device.type != "cuda":
+        return False
+    return use_tma(device) and _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
+
+
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

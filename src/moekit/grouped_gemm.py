@@ -178,6 +178,49 @@ def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None, bias=None):
     return out
 
 
+_PINGPONG_TILE = (128, 128, 64)  # (block_m, block_n, block_k) per consumer warpgroup
+_PINGPONG_STAGES = 5  # 5 x 32 KB ring + 2 x 32 KB epilogue buffers: 224 KB of the 227 KB
+
+
+def _ragged_m_pingpong(a, b, offs, out, bias=None, tile=None, stages=None):
+    """2D x 3D on the warp-specialized Hopper kernel: a (M, K) bf16 row-major, b (E, K, N) with a
+    unit stride along K or N, bias (E, N) or None, into ``out`` (M, N); rows past offs[-1] are zero."""
+    from ._kernels import hopper_gemm as hk  # Gluon: imported only where it runs
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    (m, k), (e, _, n) = a.shape, b.shape
+    bm, bn, bk = tile or _PINGPONG_TILE
+    b_trans = b.stride(2) != 1
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+
+    def desc(t, shape, strides, block):
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype[t.dtype])
+        return GluonDescriptor(t, shape, strides, block, layout)
+
+    a_desc = desc(a, [m, k], [a.stride(0), 1], [bm, bk])
+    b_desc = (desc(b, [e, n, k], [b.stride(0), b.stride(2), 1], [1, bn, bk]) if b_trans
+              else desc(b, [e, k, n], [b.stride(0), b.stride(1), 1], [1, bk, bn]))
+    c_desc = desc(out, [m, n], [out.stride(0), 1], [bm, bn])
+    max_row_tiles = triton.cdiv(m, bm) + e
+    table = torch.empty(2 * (max_row_tiles + 1), dtype=torch.int32, device=a.device)
+    block_t = 128
+    hk._tile_table_kernel[(max(triton.cdiv(max_row_tiles, block_t), 8),)](
+        offs, table, out, m, n, e, out.stride(0), max_row_tiles,
+        BLOCK_M=bm, BLOCK_E=triton.next_power_of_2(e), BLOCK_T=block_t, BLOCK_Z=32, num_warps=4,
+    )
+    sms = config.num_sms(a.device)
+    programs = min(sms, max_row_tiles * triton.cdiv(n, bn))
+    hk._grouped_mm_pingpong_kernel[(programs,)](
+        a_desc, b_desc, c_desc, out, out.stride(0),
+        bias if bias is not None else out, bias.stride(0) if bias is not None else 0,
+        table, offs, n, k,
+        NUM_SMS=programs, GROUP_M=8, STAGES=stages or _PINGPONG_STAGES, B_TRANS=b_trans, HAS_BIAS=bias is not None,
+        num_warps=4, maxnreg=168,
+    )
+    return out
+
+
 def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None, *, ones_row: bool = False):
     """2D x 2D: a (M, Kt), b (Kt, N), offs over Kt -> (E, M, N); empty groups are zero.
 
