@@ -100,12 +100,22 @@ def use_tma(device: torch.device) -> bool:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
 
 
-def use_pingpong(device: torch.device) -> bool:
-    """The warp-specialized Gluon kernels (``_kernels/hopper_gemm.py``): Hopper (sm_90) only, on by
-    default there; ``MOEKIT_NO_PINGPONG=1`` falls back to the Triton kernels."""
-    if os.environ.get("MOEKIT_NO_PINGPONG", "0") not in ("", "0") or device.type != "cuda":
+def use_warp_specialized(device: torch.device) -> bool:
+    """The warp-specialized Gluon kernels (``_kernels/hopper_gemm.py``) on Hopper (sm_90), where they
+    are the default for the fused expert GEMMs; ``MOEKIT_NO_WS=1`` falls back to the Triton kernels."""
+    if os.environ.get("MOEKIT_NO_WS", "0") not in ("", "0") or device.type != "cuda" or not use_tma(device):
         return False
-    return use_tma(device) and _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index) == (9, 0) and _has_gluon()
+
+
+@functools.cache
+def _has_gluon() -> bool:
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @functools.cache

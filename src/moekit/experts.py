@@ -35,7 +35,11 @@ from .grouped_gemm import (
     _ragged_m,
     _row_bounded,
     _tma_ok,
+    WS_DSWIGLU,
+    WS_SWIGLU,
     grouped_mm_fwd,
+    ws_gemm,
+    ws_ok,
 )
 from .reference import grouped_mm_downproj_ref, grouped_mm_swiglu_ref, swiglu_ref
 from .routing import _gather_bwd_op, gather_rows_with_ones
@@ -91,6 +95,9 @@ def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig
     h = config.empty((m, f), dtype=x.dtype, device=x.device)
     if m == 0 or f == 0:
         return h, aux
+    if cfg is None and token_idx is None and not spec.halves and ws_ok(x, w, aux, h):
+        ws_gemm(x, w, offs, aux, epilogue=WS_SWIGLU, bias=bias, out2=h, spec=spec)
+        return h, aux
     sms = config.num_sms(x.device)
     cfg = cfg or config.grouped_mm_config(
         m // e, two_f, d, e, ragged_k=False, tma=config.use_tma(x.device), out_bytes=x.element_size(),
@@ -135,12 +142,20 @@ def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = Fal
     h is (M, F); with ``ones_col`` it is a (M, F + 1) view of a row-padded buffer whose last column
     is ones, so that ``h^T @ dOut`` also yields db_down (``_ragged_k(..., ones_row=True)``).
 
-    Why not the GEMM's epilogue: measured on an H100 at gpt-oss-20b, fusing it there costs 4.28 ms
-    against 2.32 ms + ~1.2 ms this way. The epilogue moves 2.8 GB that Triton 3.6's non-warp-specialized
-    persistent loop cannot overlap with the next tile's MMAs, and its register needs force 128x128
-    tiles: every 128x256 variant tried spills (bench/NOTES.md, expert MLP entries 1 and 8). Warp
-    specialization would change that verdict.
+    On Hopper the warp-specialized kernel (``_kernels/hopper_gemm.py``) fuses the pass into the GEMM's
+    epilogue: its consumers stage each dH tile in shared memory and run the SwiGLU backward from
+    there, with no dH in memory. Elsewhere the Triton GEMM and the pass run one after the other: in
+    Triton 3.6's persistent loop the fused epilogue cost 4.28 ms against 2.32 ms + ~1.2 ms this way
+    at gpt-oss-20b, and every 128x256 variant spilled (bench/NOTES.md, expert MLP entries 1 and 8).
     """
+    m, f = aux.shape[0], aux.shape[1] // 2
+    if not spec.halves and ws_ok(grad, w.mT, aux):
+        d_aux = config.empty((m, 2 * f), dtype=aux.dtype, device=aux.device)
+        h_cols = triton.cdiv(f + 1, 64) * 64 if ones_col else f  # as in swiglu_bwd
+        h = config.empty((m, h_cols), dtype=aux.dtype, device=aux.device)
+        ws_gemm(grad, w.mT, offs, d_aux, epilogue=WS_DSWIGLU, out2=h, aux=aux, h_cols=h_cols, spec=spec,
+                ones_col=ones_col)
+        return d_aux, h[:, : f + 1] if ones_col else h
     dh = grouped_mm_fwd(grad, w.mT, offs)
     return swiglu_bwd(aux, dh, spec, with_h=True, ones_col=ones_col)
 

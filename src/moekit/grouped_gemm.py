@@ -178,47 +178,71 @@ def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None, bias=None):
     return out
 
 
-_PINGPONG_TILE = (128, 128, 64)  # (block_m, block_n, block_k) per consumer warpgroup
-_PINGPONG_STAGES = 5  # 5 x 32 KB ring + 2 x 32 KB epilogue buffers: 224 KB of the 227 KB
+_WS_TILE = (128, 256, 64)  # (block_m, block_n, block_k): two consumer warpgroups of 64 rows
+_WS_STAGES = 3  # 3 x 48 KB ring + 2 x 32 KB epilogue buffers: 208 KB of the 227 KB
+WS_PLAIN, WS_SWIGLU, WS_DSWIGLU = 0, 1, 2  # the epilogues of _kernels/hopper_gemm.py
 
 
-def _ragged_m_pingpong(a, b, offs, out, bias=None, tile=None, stages=None):
-    """2D x 3D on the warp-specialized Hopper kernel: a (M, K) bf16 row-major, b (E, K, N) with a
-    unit stride along K or N, bias (E, N) or None, into ``out`` (M, N); rows past offs[-1] are zero."""
-    from ._kernels import hopper_gemm as hk  # Gluon: imported only where it runs
+def ws_ok(a: torch.Tensor, b: torch.Tensor, *outs: torch.Tensor) -> bool:
+    """Whether the warp-specialized Hopper kernel takes ``a (M, K) @ b (E, K, N)`` into ``outs``."""
+    return (
+        config.use_warp_specialized(a.device)
+        and a.dtype == torch.bfloat16
+        and a.shape[0] > 0
+        and a.shape[1] > 0
+        and _tma_ok(a, 1)
+        and _tma_ok(b, 2 if b.stride(2) == 1 else 1)
+        and all(_tma_ok(t, 1) for t in outs)
+    )
+
+
+def ws_gemm(a, b, offs, c, *, epilogue: int = WS_PLAIN, bias=None, out2=None, aux=None, h_cols: int = 0,
+            spec=None, ones_col: bool = False):
+    """Rows-ragged GEMM on the warp-specialized Hopper kernel (check ``ws_ok`` first).
+
+    a (M, K) bf16 row-major; b (E, K, N) with a unit stride along K or N; bias (E, N) or None.
+    WS_PLAIN: c (M, N) = a @ b[g] (+ bias). WS_SWIGLU: c = aux (M, N), out2 = h (M, N / 2).
+    WS_DSWIGLU: the product dH (M, N) is not stored; with aux (M, 2N), c = d_aux (M, 2N) and out2 = h
+    (M, h_cols), ones at column N when ``ones_col``. Rows past offs[-1] of c and out2 are zero."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
+    from ._kernels import hopper_gemm as hk  # Gluon: imported only where it runs
+
     (m, k), (e, _, n) = a.shape, b.shape
-    bm, bn, bk = tile or _PINGPONG_TILE
+    bm, bn, bk = _WS_TILE
     b_trans = b.stride(2) != 1
-    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
     def desc(t, shape, strides, block):
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype[t.dtype])
-        return GluonDescriptor(t, shape, strides, block, layout)
+        return GluonDescriptor(t, shape, strides, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
 
     a_desc = desc(a, [m, k], [a.stride(0), 1], [bm, bk])
     b_desc = (desc(b, [e, n, k], [b.stride(0), b.stride(2), 1], [1, bn, bk]) if b_trans
               else desc(b, [e, k, n], [b.stride(0), b.stride(1), 1], [1, bk, bn]))
-    c_desc = desc(out, [m, n], [out.stride(0), 1], [bm, bn])
+    c_desc = desc(c, [m, c.shape[1]], [c.stride(0), 1], [bm // 2, bn])
+    out2 = c if out2 is None else out2
     max_row_tiles = triton.cdiv(m, bm) + e
     table = torch.empty(2 * (max_row_tiles + 1), dtype=torch.int32, device=a.device)
-    block_t = 128
-    hk._tile_table_kernel[(max(triton.cdiv(max_row_tiles, block_t), 8),)](
-        offs, table, out, m, n, e, out.stride(0), max_row_tiles,
-        BLOCK_M=bm, BLOCK_E=triton.next_power_of_2(e), BLOCK_T=block_t, BLOCK_Z=32, num_warps=4,
+    hk._tile_table_kernel[(max(triton.cdiv(max_row_tiles, 128), 8),)](
+        offs, table, c, out2, m, c.shape[1], out2.shape[1] if out2 is not c else 0, e,
+        c.stride(0), out2.stride(0), max_row_tiles,
+        BLOCK_M=bm, BLOCK_E=triton.next_power_of_2(e), BLOCK_T=128, BLOCK_Z=32, num_warps=4,
     )
-    sms = config.num_sms(a.device)
-    programs = min(sms, max_row_tiles * triton.cdiv(n, bn))
-    hk._grouped_mm_pingpong_kernel[(programs,)](
-        a_desc, b_desc, c_desc, out, out.stride(0),
-        bias if bias is not None else out, bias.stride(0) if bias is not None else 0,
-        table, offs, n, k,
-        NUM_SMS=programs, GROUP_M=8, STAGES=stages or _PINGPONG_STAGES, B_TRANS=b_trans, HAS_BIAS=bias is not None,
+    words = epilogue != WS_PLAIN  # (M, 2F) tensors go in as int32 words of bf16 pairs
+    c_arg = c.view(torch.int32) if words else c
+    aux_arg = aux.view(torch.int32) if aux is not None else c_arg
+    sw = spec.constexprs() if spec is not None else dict(ALPHA=1.0, LIMIT=None, OFFSET=0.0)
+    programs = min(config.num_sms(a.device), max_row_tiles * triton.cdiv(n, bn))
+    hk._grouped_mm_ws_kernel[(programs,)](
+        a_desc, b_desc, c_desc,
+        c_arg, c_arg.stride(0), out2, out2.stride(0), aux_arg, aux_arg.stride(0),
+        bias if bias is not None else c, bias.stride(0) if bias is not None else 0, table, offs,
+        n, k, h_cols,
+        NUM_SMS=programs, GROUP_M=8, STAGES=_WS_STAGES, B_TRANS=b_trans, HAS_BIAS=bias is not None,
+        EPILOGUE=epilogue, ALPHA=sw["ALPHA"], LIMIT=sw["LIMIT"], OFFSET=sw["OFFSET"], ONES_COL=ones_col,
         num_warps=4, maxnreg=168,
     )
-    return out
+    return c
 
 
 def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None, *, ones_row: bool = False):

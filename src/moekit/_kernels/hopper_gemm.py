@@ -1,20 +1,35 @@
-"""Warp-specialized ping-pong grouped GEMM for Hopper (Gluon), rows ragged.
+"""Warp-specialized grouped GEMM for Hopper (Gluon), rows ragged, with fused epilogues.
 
-``c[rows_g] = epilogue(a[rows_g] @ b[g])`` for the groups that ``offs`` splits the rows of ``a`` into;
-the same contract as ``_grouped_mm_ragged_m_kernel`` in ``grouped_gemm.py``, but scheduled the way
-CUTLASS's "ping-pong" kernels are:
+``c[rows_g] = epilogue(a[rows_g] @ b[g])`` for the groups that ``offs`` splits the rows of ``a`` into:
+the contract of ``_grouped_mm_ragged_m_kernel`` (``grouped_gemm.py``) and of the SwiGLU kernels
+(``experts.py``, ``epilogue.py``), scheduled so that the epilogue costs no tensor-core time:
 
-* one TMA warp (the loader) streams A and B tiles into a ring of shared-memory stages;
-* two consumer warpgroups take turns: while one runs its tile's wgmma main loop, the other runs the
-  previous tile's epilogue (bias, SwiGLU, the stores), so the epilogue costs no tensor-core time.
-  An mbarrier pair (``turn``) hands the main loop from one consumer to the other; the loader fills
-  the ring in exactly that order, so the one ring serves both.
+* a TMA warp (the loader) streams A and B tiles into a ring of shared-memory stages;
+* two consumer warpgroups share each 128 x 256 tile (64 rows each) and run only the wgmma main loop.
+  They start the accumulator from the bias, hand the finished tile over through one bf16 buffer in
+  shared memory, and go on with the next tile while
+* an epilogue warpgroup stores the tile and runs the SwiGLU (forward or backward) on it.
 
-Tiles: the prologue kernel ``_tile_table_kernel`` turns ``offs`` into a table of row tiles on the
-device (group, first row) and writes zeros to the rows past ``offs[-1]``; the GEMM walks
-``table_size x tiles_n`` tiles persistently, GROUP_M row tiles at a time, with no host sync.
-Rows of a tile past its group's end are read (they belong to the next group, or are TMA zero
-fill) but never stored.
+A ping-pong schedule (two consumers taking turns on 128 x 128 tiles) was measured first: the half-size
+tiles need twice the shared-memory and L2 traffic per FLOP and ran at 500-530 TF/s, against 690 for
+this one (bench/NOTES.md).
+
+Epilogues (``EPILOGUE``):
+
+* ``PLAIN``: c = a @ b[g] (+ bias[g]).
+* ``SWIGLU``: the up-projection. c is aux = a @ b[g] + bias[g] (M, 2F), gate and linear columns
+  interleaved; out2 is h = SwiGLU(aux) (M, F), computed from the rounded aux.
+* ``DSWIGLU``: the down-projection's dgrad. The product is dH (M, F) (never stored); with aux (M, 2F),
+  c is d_aux = dSwiGLU(aux) * dH (M, 2F) and out2 is the recomputed h (M, H_COLS), with a column of
+  ones at F when ``ONES_COL`` (see ``grouped_mm_dswiglu``).
+
+Interleaved pairs are read and written as int32 words (gate in the low half, linear in the high
+half), so that the SwiGLU never needs a stride-2 access or a layout shuffle.
+
+Tiles: ``_tile_table_kernel`` turns ``offs`` into a table of row tiles on the device (group, first
+row) and writes zeros to the rows past ``offs[-1]``; every partition walks ``rows x tiles_n`` tiles
+persistently, GROUP_M row tiles at a time, with no host sync. Rows of a tile past its group's end
+are read but never stored.
 """
 
 import triton
@@ -30,18 +45,25 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .epilogue import swiglu_apply, swiglu_apply_bwd
+
+PLAIN = tl.constexpr(0)
+SWIGLU = tl.constexpr(1)
+DSWIGLU = tl.constexpr(2)
+EPI_ROWS = tl.constexpr(16)  # rows per step of the epilogue warpgroup
+
 
 # --------------------------------------------------------------------------------------------------
 # prologue: the row-tile table (plain Triton)
 # --------------------------------------------------------------------------------------------------
 @triton.jit
 def _tile_table_kernel(
-    offs_ptr, table_ptr, c_ptr, M, N, E, stride_cm, max_tiles,
+    offs_ptr, table_ptr, c_ptr, c2_ptr, M, N, N2, E, stride_cm, stride_c2m, max_tiles,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_Z: tl.constexpr,
 ):
     """table[0] = (number of row tiles, 0); table[1 + i] = (group, first row) of row tile i.
 
-    Also zero-fills c's rows [offs[-1], M), the rows that belong to no group."""
+    Also zero-fills the rows [offs[-1], M) of c (M, N) and c2 (M, N2), the rows of no group."""
     pid = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     ends = tl.load(offs_ptr + e, mask=e < E, other=0)
@@ -71,6 +93,11 @@ def _tile_table_kernel(
             ptrs = c_ptr + r[:, None].to(tl.int64) * stride_cm + cols[None, :]
             mask = (r[:, None] < M) & (cols[None, :] < N)
             tl.store(ptrs, tl.zeros([BLOCK_Z, 128], c_ptr.dtype.element_ty), mask=mask)
+        for n0 in range(0, N2, 128):
+            cols = n0 + tl.arange(0, 128)
+            ptrs = c2_ptr + r[:, None].to(tl.int64) * stride_c2m + cols[None, :]
+            mask = (r[:, None] < M) & (cols[None, :] < N2)
+            tl.store(ptrs, tl.zeros([BLOCK_Z, 128], c2_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -125,58 +152,114 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, table, offs_pt
 
 
 @gluon.jit
-def _epilogue_store(acc, c_desc, c_smem, c_ptr, stride_cm, bias_ptr, stride_bias, g, row, end, col, N,
-                    HAS_BIAS: gl.constexpr):
-    """Bias, then the tile to c: a TMA store when all its rows are in the group, masked stores else."""
-    BLOCK_M: gl.constexpr = acc.shape[0]
-    BLOCK_N: gl.constexpr = acc.shape[1]
-    layout: gl.constexpr = acc.type.layout
-    cols = col + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    if HAS_BIAS:
-        bias = gl.load(bias_ptr + g.to(gl.int64) * stride_bias + cols, mask=cols < N, other=0.0)
-        acc = acc + bias.to(gl.float32)[None, :]
-    out = acc.to(c_desc.dtype)
-    if row + BLOCK_M <= end:
-        tma.store_wait(0)  # the previous tile's store still reads c_smem
-        c_smem.store(out)
-        fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [row, col], c_smem)
-    else:
-        rows = row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-        ptrs = c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :]
-        gl.store(ptrs, out, mask=(rows[:, None] < end) & (cols[None, :] < N))
+def _unpack_pairs(w):
+    """int32 words of bf16 pairs -> (low, high) halves as fp32, exactly."""
+    return (w << 16).to(gl.float32, bitcast=True), (w & -65536).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
-def _mma_partition(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, c_ptr, stride_cm,
-                   bias_ptr, stride_bias, table, offs_ptr, N, K, tiles_n,
+def _pack_pairs(lo, hi):
+    """(low, high) fp32 -> int32 words of their bf16 roundings."""
+    lo16 = lo.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 65535
+    hi16 = hi.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32)
+    return (hi16 << 16) | lo16
+
+
+@gluon.jit
+def _epilogue(buf, c_desc, c_ptr, stride_c, out2_ptr, stride_out2, aux_ptr, stride_aux,
+              row, end, pid_n, N, H_COLS,
+              EPILOGUE: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr,
+              ONES_COL: gl.constexpr):
+    """Store one consumer's rows [row, row + HALF) of a tile, staged in ``buf`` (see the module doc).
+
+    SWIGLU and DSWIGLU read and write (M, 2F) tensors as int32 words of bf16 pairs: c_ptr (aux,
+    d_aux) and aux_ptr, with strides in words."""
+    HALF: gl.constexpr = buf.shape[0]
+    BLOCK_N: gl.constexpr = buf.shape[1]
+    R: gl.constexpr = EPI_ROWS // 2 if EPILOGUE == DSWIGLU else EPI_ROWS  # DSWIGLU rows are 2x wider
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
+    rows_in = gl.arange(0, R, layout=gl.SliceLayout(1, layout))
+    if EPILOGUE == SWIGLU:  # BLOCK_N // 2 (gate, linear) words per row
+        W: gl.constexpr = BLOCK_N // 2
+        src = buf._reinterpret(gl.int32, [HALF, W], gl.NVMMASharedLayout.get_default_for([HALF, W], gl.int32))
+    else:
+        W: gl.constexpr = BLOCK_N
+        src = buf
+    cols = pid_n * W + gl.arange(0, W, layout=gl.SliceLayout(0, layout))
+    full = row + HALF <= end
+    if EPILOGUE != DSWIGLU:
+        if full:  # the staged tile is the output (plain) or aux (SwiGLU) as it stands
+            tma.async_copy_shared_to_global(c_desc, [row, pid_n * BLOCK_N], buf)
+    if EPILOGUE == DSWIGLU:  # aux words of the first row block, then each next one before the math
+        nxt = gl.load(aux_ptr + (row + rows_in).to(gl.int64)[:, None] * stride_aux + cols[None, :],
+                      mask=((row + rows_in)[:, None] < end) & (cols[None, :] < N), other=0)
+    for r0 in gl.static_range(0, HALF, R):  # (unrolled: a shared-memory slice needs a constant start)
+        rows = row + r0 + rows_in
+        keep = rows[:, None] < end
+        rows64 = rows.to(gl.int64)[:, None]
+        x = src.slice(r0, R, dim=0).load(layout)
+        if EPILOGUE == PLAIN:
+            if not full:
+                gl.store(c_ptr + rows64 * stride_c + cols[None, :], x, mask=keep & (cols[None, :] < N))
+        elif EPILOGUE == SWIGLU:
+            in_f = keep & (cols[None, :] < N // 2)
+            if not full:
+                gl.store(c_ptr + rows64 * stride_c + cols[None, :], x, mask=in_f)
+            gate, lin = _unpack_pairs(x)
+            h = swiglu_apply(gate, lin, ALPHA, LIMIT, OFFSET)
+            gl.store(out2_ptr + rows64 * stride_out2 + cols[None, :], h.to(out2_ptr.dtype.element_ty), mask=in_f)
+        else:
+            w = nxt
+            if r0 + R < HALF:
+                nrows = rows + R
+                nxt = gl.load(aux_ptr + nrows.to(gl.int64)[:, None] * stride_aux + cols[None, :],
+                              mask=(nrows[:, None] < end) & (cols[None, :] < N), other=0)
+            in_f = keep & (cols[None, :] < N)
+            gate, lin = _unpack_pairs(w)
+            dg, dl, h = swiglu_apply_bwd(gate, lin, x.to(gl.float32), ALPHA, LIMIT, OFFSET)
+            gl.store(c_ptr + rows64 * stride_c + cols[None, :], _pack_pairs(dg, dl), mask=in_f)
+            h_mask = in_f
+            if ONES_COL:  # past F the pair reads as 0, so h is 0 there; column F holds ones
+                h = gl.where(cols[None, :] == N, 1.0, h)
+                h_mask = keep & (cols[None, :] < H_COLS)
+            gl.store(out2_ptr + rows64 * stride_out2 + cols[None, :], h.to(out2_ptr.dtype.element_ty), mask=h_mask)
+
+
+@gluon.jit
+def _mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, out2_ptr, stride_out2,
+                   aux_ptr, stride_aux, bias_ptr, stride_bias, table, offs_ptr, N, K, H_COLS, tiles_n,
                    CONSUMER: gl.constexpr, NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr,
-                   STAGES: gl.constexpr, B_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr):
-    BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+                   STAGES: gl.constexpr, B_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr,
+                   EPILOGUE: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr,
+                   ONES_COL: gl.constexpr):
+    """Consumer warpgroup CONSUMER: rows [CONSUMER * HALF, (CONSUMER + 1) * HALF) of every tile,
+    main loop then epilogue."""
+    HALF: gl.constexpr = a_bufs.shape[1] // 2
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
+    BLOCK_N: gl.constexpr = buf.shape[1]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
     n_rows_tiles = gl.load(table)
     k_iters = gl.cdiv(K, BLOCK_K)
-    pid = gl.program_id(0)
-    j = 0
-    for t in range(pid + CONSUMER * NUM_SMS, n_rows_tiles * tiles_n, 2 * NUM_SMS):
+    idx = 0
+    phase = 0
+    for t in range(gl.program_id(0), n_rows_tiles * tiles_n, NUM_SMS):
         g, row, end, pid_n = _tile_at(t, table, offs_ptr, tiles_n, n_rows_tiles, GROUP_M)
-        # the loader filled the ring tile after tile, k_iters stages each
-        count = (2 * j + CONSUMER) * k_iters
-        idx = count % STAGES
-        phase = (count // STAGES) & 1
-        mbarrier.wait(turn.index(CONSUMER), j & 1)
-        acc = warpgroup_mma_init(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout))
+        acc = gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout)
+        if HAS_BIAS:  # the accumulator starts from the bias: no registers held for it in the epilogue
+            cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+            bias = gl.load(bias_ptr + g.to(gl.int64) * stride_bias + cols, mask=cols < N, other=0.0)
+            acc = acc + bias.to(gl.float32)[None, :]
+        acc = warpgroup_mma_init(acc)
         for ki in range(k_iters):
             mbarrier.wait(ready.index(idx), phase)
             if B_TRANS:
                 b = b_bufs.index(idx).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
             else:
                 b = b_bufs.index(idx).reshape([BLOCK_K, BLOCK_N])
-            acc = warpgroup_mma(a_bufs.index(idx), b, acc, is_async=True)
+            a = a_bufs.index(idx).slice(CONSUMER * HALF, HALF, dim=0)
+            acc = warpgroup_mma(a, b, acc, is_async=True)
             warpgroup_mma_wait(1, deps=(acc,))
             # the MMA before this one is done: free its stage. (Computed, not carried: Triton 3.6
             # hoisted a loop-carried `prev = idx` out of this loop as if it were invariant.)
@@ -185,48 +268,48 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, c_ptr, st
             if idx == STAGES:
                 idx = 0
                 phase ^= 1
-        mbarrier.arrive(turn.index(1 - CONSUMER))  # the other consumer's main loop may start
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(empty.index(gl.where(idx == 0, STAGES - 1, idx - 1)))
-        _epilogue_store(acc, c_desc, c_smem, c_ptr, stride_cm, bias_ptr, stride_bias, g, row, end,
-                        pid_n * BLOCK_N, N, HAS_BIAS)
-        j += 1
+        tma.store_wait(0)  # the previous tile's TMA store has read buf
+        buf.store(acc.to(buf.dtype))
+        fence_async_shared()
+        _epilogue(buf, c_desc, c_ptr, stride_c, out2_ptr, stride_out2, aux_ptr, stride_aux,
+                  row + CONSUMER * HALF, end, pid_n, N, H_COLS, EPILOGUE, ALPHA, LIMIT, OFFSET, ONES_COL)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _grouped_mm_pingpong_kernel(
-    a_desc, b_desc, c_desc, c_ptr, stride_cm, bias_ptr, stride_bias, table, offs_ptr, N, K,
+def _grouped_mm_ws_kernel(
+    a_desc, b_desc, c_desc,  # a (M, K) [BM, BK]; b (E, N, K) [1, BN, BK] (B_TRANS) or (E, K, N) [1, BK, BN]; c [BM // 2, BN]
+    c_ptr, stride_c, out2_ptr, stride_out2, aux_ptr, stride_aux,  # outputs and inputs by epilogue (module doc)
+    bias_ptr, stride_bias, table, offs_ptr,  # bias (E, N) or None; the row-tile table; offs (E,) int32
+    N, K, H_COLS,
     NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
-    HAS_BIAS: gl.constexpr,
+    HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr,
+    ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr, ONES_COL: gl.constexpr,
 ):
-    """a_desc: (M, K) [BM, BK]; b_desc: (E, N, K) [1, BN, BK] (B_TRANS) or (E, K, N) [1, BK, BN];
-    c_desc: (M, N) [BM, BN]. table: the row-tile table of ``_tile_table_kernel``."""
-    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
-    tiles_n = gl.cdiv(N, BLOCK_N)
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    c_smem0 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
-    c_smem1 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    buf0 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    buf1 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
-    mbarrier.arrive(turn.index(0))  # consumer 0 runs the first main loop
+        mbarrier.init(empty.index(i), count=2)  # both consumers read every stage
+    tiles_n = gl.cdiv(N, c_desc.block_type.shape[1])
 
     # (argument tuples are spelled out: a tuple built with `+` turns constexprs into tensors)
     gl.warp_specialize(
         [
-            (_mma_partition, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem0, c_ptr, stride_cm,
-                              bias_ptr, stride_bias, table, offs_ptr, N, K, tiles_n,
-                              0, NUM_SMS, GROUP_M, STAGES, B_TRANS, HAS_BIAS)),
-            (_mma_partition, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem1, c_ptr, stride_cm,
-                              bias_ptr, stride_bias, table, offs_ptr, N, K, tiles_n,
-                              1, NUM_SMS, GROUP_M, STAGES, B_TRANS, HAS_BIAS)),
+            (_mma_partition, (a_bufs, b_bufs, ready, empty, buf0, c_desc, c_ptr, stride_c, out2_ptr,
+                              stride_out2, aux_ptr, stride_aux, bias_ptr, stride_bias, table, offs_ptr,
+                              N, K, H_COLS, tiles_n, 0, NUM_SMS, GROUP_M, STAGES, B_TRANS, HAS_BIAS,
+                              EPILOGUE, ALPHA, LIMIT, OFFSET, ONES_COL)),
+            (_mma_partition, (a_bufs, b_bufs, ready, empty, buf1, c_desc, c_ptr, stride_c, out2_ptr,
+                              stride_out2, aux_ptr, stride_aux, bias_ptr, stride_bias, table, offs_ptr,
+                              N, K, H_COLS, tiles_n, 1, NUM_SMS, GROUP_M, STAGES, B_TRANS, HAS_BIAS,
+                              EPILOGUE, ALPHA, LIMIT, OFFSET, ONES_COL)),
             (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, table, offs_ptr, K, tiles_n,
                                NUM_SMS, GROUP_M, STAGES, B_TRANS)),
         ],

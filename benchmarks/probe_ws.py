@@ -1,0 +1,77 @@
+"""Probe: the warp-specialized Hopper kernels (``_kernels/hopper_gemm.py``) against the Triton ones.
+
+Times, with every implementation interleaved, the gpt-oss up-projection with its SwiGLU epilogue,
+the down-projection dgrad with the SwiGLU backward, and a plain rows-ragged GEMM, with
+``MOEKIT_NO_WS`` toggled in-process; torch._grouped_mm and a dense matmul give the scale. Checks
+each warp-specialized result against the Triton path first. A development tool: the committed
+tables come from ``python -m moekit bench``.
+"""
+
+import os
+import sys
+
+import torch
+
+from moekit import config
+from moekit.bench import SHAPES, environment, interleaved_ms
+from moekit.epilogue import SwiGLU
+from moekit.experts import grouped_mm_dswiglu, grouped_mm_swiglu_fwd
+from moekit.grouped_gemm import _ragged_m, ws_gemm
+from moekit.testing import offs_from_counts, routed_counts
+
+
+def _toggled(fn, ws: bool):
+    def run():
+        if ws:
+            os.environ.pop("MOEKIT_NO_WS", None)
+        else:
+            os.environ["MOEKIT_NO_WS"] = "1"
+        try:
+            return fn()
+        finally:
+            os.environ.pop("MOEKIT_NO_WS", None)
+    return run
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def main(names):
+    spec = SwiGLU()
+    for name in names:
+        s = SHAPES[name]
+        gen = torch.Generator().manual_seed(0)
+        offs = offs_from_counts(routed_counts(s.tokens, s.e, s.top_k, generator=gen), device="cuda")
+        m, d, f, e = s.tokens * s.top_k, s.d, s.f, s.e
+        x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+        w_up = (torch.randn(e, 2 * f, d, device="cuda", dtype=torch.bfloat16) / d**0.5).mT  # (E, D, 2F)
+        b_up = torch.randn(e, 2 * f, device="cuda", dtype=torch.bfloat16)
+        w_down = (torch.randn(e, d, f, device="cuda", dtype=torch.bfloat16) / f**0.5).mT  # (E, F, D)
+        dy = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+        h, aux = grouped_mm_swiglu_fwd(x, w_up, offs, b_up, spec)
+        problems = {
+            "up+swiglu": (lambda: grouped_mm_swiglu_fwd(x, w_up, offs, b_up, spec), 2 * m * d * 2 * f,
+                          lambda: x @ w_up[0], lambda: torch._grouped_mm(x, w_up, offs)),
+            "dgrad+dswiglu": (lambda: grouped_mm_dswiglu(dy, w_down, offs, aux, spec, ones_col=True), 2 * m * d * f,
+                              lambda: dy @ w_down[0].mT, lambda: torch._grouped_mm(dy, w_down.mT, offs)),
+        }
+        out = torch.empty(m, d, device="cuda", dtype=torch.bfloat16)
+        problems["down fwd (plain)"] = (
+            lambda: ws_gemm(h, w_down, offs, out) if not os.environ.get("MOEKIT_NO_WS") else
+            _ragged_m(h, w_down, offs, torch.bfloat16, None), 2 * m * d * f,
+            lambda: h @ w_down[0], lambda: torch._grouped_mm(h, w_down, offs))
+        for label, (fn, flops, dense, grouped) in problems.items():
+            got, want = _toggled(fn, True)(), _toggled(fn, False)()
+            errs = [_rel(g, w_) for g, w_ in zip(got if isinstance(got, tuple) else (got,),
+                                                   want if isinstance(want, tuple) else (want,))]
+            ms = interleaved_ms({"ws": _toggled(fn, True), "triton": _toggled(fn, False),
+                                 "torch": grouped, "dense": dense}, rounds=3, rep_ms=100)
+            cells = " ".join(f"{k} {v:.3f} ms ({flops / v / 1e9:.0f})" for k, v in ms.items())
+            print(f"{name} {label}: diff vs triton {max(errs):.1e} | {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    print(environment())
+    assert config.use_warp_specialized(torch.device("cuda")), "needs an sm_90 GPU and Gluon"
+    main([a for a in sys.argv[1:] if a in SHAPES] or ["gpt-oss-20b", "gpt-oss-120b"])
