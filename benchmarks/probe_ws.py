@@ -1,7 +1,7 @@
 """Probe: the warp-specialized Hopper kernels (``_kernels/hopper_gemm.py``) against the Triton ones.
 
-Times, with every implementation interleaved, the gpt-oss up-projection with its SwiGLU epilogue,
-the down-projection dgrad with the SwiGLU backward, and a plain rows-ragged GEMM, with
+Times, with every implementation interleaved, the gpt-oss up-projection with its SwiGLU epilogue
+and a plain rows-ragged GEMM (the down-projection's shape), with
 ``MOEKIT_NO_WS`` toggled in-process; torch._grouped_mm and a dense matmul give the scale. Checks
 each warp-specialized result against the Triton path first. A development tool: the committed
 tables come from ``python -m moekit bench``.
@@ -15,7 +15,7 @@ import torch
 from moekit import config
 from moekit.bench import SHAPES, environment, interleaved_ms
 from moekit.epilogue import SwiGLU
-from moekit.experts import grouped_mm_dswiglu, grouped_mm_swiglu_fwd
+from moekit.experts import grouped_mm_swiglu_fwd
 from moekit.grouped_gemm import _ragged_m, ws_gemm
 from moekit.testing import offs_from_counts, routed_counts
 
@@ -48,13 +48,10 @@ def main(names):
         w_up = (torch.randn(e, 2 * f, d, device="cuda", dtype=torch.bfloat16) / d**0.5).mT  # (E, D, 2F)
         b_up = torch.randn(e, 2 * f, device="cuda", dtype=torch.bfloat16)
         w_down = (torch.randn(e, d, f, device="cuda", dtype=torch.bfloat16) / f**0.5).mT  # (E, F, D)
-        dy = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
         h, aux = grouped_mm_swiglu_fwd(x, w_up, offs, b_up, spec)
         problems = {
             "up+swiglu": (lambda: grouped_mm_swiglu_fwd(x, w_up, offs, b_up, spec), 2 * m * d * 2 * f,
                           lambda: x @ w_up[0], lambda: torch._grouped_mm(x, w_up, offs)),
-            "dgrad+dswiglu": (lambda: grouped_mm_dswiglu(dy, w_down, offs, aux, spec, ones_col=True), 2 * m * d * f,
-                              lambda: dy @ w_down[0].mT, lambda: torch._grouped_mm(dy, w_down.mT, offs)),
         }
         out = torch.empty(m, d, device="cuda", dtype=torch.bfloat16)
         problems["down fwd (plain)"] = (

@@ -78,4 +78,13 @@ def tma_path(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["ws", "tma", "ptr"])
+def expert_path(request, monkeypatch):
+    """The fused expert kernels three ways: the warp-specialized Hopper kernel where it applies (an
+    sm_90 GPU; elsewhere "ws" runs the Triton TMA path again), Triton with TMA, Triton with pointers."""
+    monkeypatch.setenv("MOEKIT_NO_WS", "0" if request.param == "ws" else "1")
+    monkeypatch.setenv("MOEKIT_NO_TMA", "1" if request.param == "ptr" else "0")
+    return request.param
+
+
 __all__ = ["moekit"]

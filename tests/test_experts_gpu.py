@@ -38,7 +38,7 @@ def _chain(fns, x, w1, b1, w2, b2, offs, layout):
 @pytest.mark.parametrize("layout", ["interleaved", "halves"])
 @pytest.mark.parametrize("x_scale", [1.0, 6.0], ids=["normal", "clamp-heavy"])
 @pytest.mark.parametrize("f", [1000, 1024], ids=["db-down-in-wgrad", "db-down-colsum"])  # F % 128 decides
-def test_forward_backward_against_float64(tma_path, layout, x_scale, f):
+def test_forward_backward_against_float64(expert_path, layout, x_scale, f):
     counts = routed_counts(2048, 8, 4, skew=3.0).tolist()
     counts[1] = 0
     rows = sum(counts) + 40  # rows past offs[-1]

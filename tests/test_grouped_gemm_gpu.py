@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from moekit import config, grouped_mm, grouped_mm_ref
-from moekit.grouped_gemm import _grouped_mm_op, grouped_mm_fwd
+from moekit.grouped_gemm import _grouped_mm_op, grouped_mm_fwd, ws_gemm, ws_ok
 from moekit.testing import assert_close, offs_from_counts, random_counts, routed_counts
 
 pytestmark = pytest.mark.gpu
@@ -76,6 +76,35 @@ CONFIGS = [
 def _cfg_id(c):
     flags = f"f{int(c.flatten)}h{int(c.split_store)}p{c.programs_per_sm}"
     return f"{c.block_m}x{c.block_n}x{c.block_k}-s{c.num_stages}-{flags}"
+
+
+# (counts, rows, K, N, b_trans, bias) and why
+WS_CASES = [
+    pytest.param([300, 0, 517, 180], 1100, 200, 296, True, True, id="empty-expert-tails"),  # K, N tails, tail rows
+    pytest.param([300, 0, 517, 180], 1100, 200, 296, False, True, id="b-row-major"),  # weights (E, K, N)
+    pytest.param([0, 0, 999, 0], 999, 64, 128, True, False, id="one-expert"),  # every row on one expert
+    pytest.param([1, 2, 3, 4, 5], 15, 136, 264, False, True, id="tiny-groups"),  # groups inside one tile
+    pytest.param([4096, 3000, 5000, 4192], 16288, 2880, 2880, True, True, id="gptoss"),  # many tiles per SM
+]
+
+
+@pytest.mark.parametrize("counts, rows, k, n, b_trans, has_bias", WS_CASES)
+def test_warp_specialized_kernel(counts, rows, k, n, b_trans, has_bias):
+    """The warp-specialized Hopper GEMM (plain epilogue) on its own: every element written once."""
+    a, b, offs = _ragged_m_inputs(counts, rows, k, n, b_trans=b_trans)
+    a[int(sum(counts)) :] = 1.0  # rows past offs[-1] must come out zero, not a @ b
+    if not ws_ok(a, b):
+        pytest.skip("needs an sm_90 GPU with Gluon")
+    bias = torch.randn(len(counts), n, device=DEV).to(BF16) if has_bias else None
+    out = torch.full((rows, n), float("nan"), device=DEV, dtype=BF16)
+    ws_gemm(a, b, offs, out, bias=bias)
+    ref = _ref(a, b, offs)
+    if bias is not None:
+        groups = torch.repeat_interleave(torch.arange(len(counts), device=DEV), torch.tensor(counts, device=DEV))
+        ref[: int(sum(counts))] += bias.double()[groups]
+    assert not out.isnan().any()
+    assert_close(out, ref, BF16, what="ws_gemm")
+    assert not out[int(sum(counts)) :].any()
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=_cfg_id)

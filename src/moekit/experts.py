@@ -35,7 +35,6 @@ from .grouped_gemm import (
     _ragged_m,
     _row_bounded,
     _tma_ok,
-    WS_DSWIGLU,
     WS_SWIGLU,
     grouped_mm_fwd,
     ws_gemm,
@@ -142,20 +141,12 @@ def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = Fal
     h is (M, F); with ``ones_col`` it is a (M, F + 1) view of a row-padded buffer whose last column
     is ones, so that ``h^T @ dOut`` also yields db_down (``_ragged_k(..., ones_row=True)``).
 
-    On Hopper the warp-specialized kernel (``_kernels/hopper_gemm.py``) fuses the pass into the GEMM's
-    epilogue: its consumers stage each dH tile in shared memory and run the SwiGLU backward from
-    there, with no dH in memory. Elsewhere the Triton GEMM and the pass run one after the other: in
-    Triton 3.6's persistent loop the fused epilogue cost 4.28 ms against 2.32 ms + ~1.2 ms this way
-    at gpt-oss-20b, and every 128x256 variant spilled (bench/NOTES.md, expert MLP entries 1 and 8).
+    Why not the GEMM's epilogue: in Triton 3.6's persistent loop the fused epilogue cost 4.28 ms
+    against 2.32 ms + ~1.2 ms this way at gpt-oss-20b, and every 128x256 variant spilled; the
+    warp-specialized Hopper kernel with the same epilogue took 5.47 ms against 3.65 ms, because
+    the epilogue's reads of aux stall its consumers between main loops (bench/NOTES.md, expert MLP
+    entries 1, 8 and 14).
     """
-    m, f = aux.shape[0], aux.shape[1] // 2
-    if not spec.halves and ws_ok(grad, w.mT, aux):
-        d_aux = config.empty((m, 2 * f), dtype=aux.dtype, device=aux.device)
-        h_cols = triton.cdiv(f + 1, 64) * 64 if ones_col else f  # as in swiglu_bwd
-        h = config.empty((m, h_cols), dtype=aux.dtype, device=aux.device)
-        ws_gemm(grad, w.mT, offs, d_aux, epilogue=WS_DSWIGLU, out2=h, aux=aux, h_cols=h_cols, spec=spec,
-                ones_col=ones_col)
-        return d_aux, h[:, : f + 1] if ones_col else h
     dh = grouped_mm_fwd(grad, w.mT, offs)
     return swiglu_bwd(aux, dh, spec, with_h=True, ones_col=ones_col)
 

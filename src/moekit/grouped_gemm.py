@@ -180,7 +180,7 @@ def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None, bias=None):
 
 _WS_TILE = (128, 256, 64)  # (block_m, block_n, block_k): two consumer warpgroups of 64 rows
 _WS_STAGES = 3  # 3 x 48 KB ring + 2 x 32 KB epilogue buffers: 208 KB of the 227 KB
-WS_PLAIN, WS_SWIGLU, WS_DSWIGLU = 0, 1, 2  # the epilogues of _kernels/hopper_gemm.py
+WS_PLAIN, WS_SWIGLU = 0, 1  # the epilogues of _kernels/hopper_gemm.py
 
 
 def ws_ok(a: torch.Tensor, b: torch.Tensor, *outs: torch.Tensor) -> bool:
@@ -196,14 +196,12 @@ def ws_ok(a: torch.Tensor, b: torch.Tensor, *outs: torch.Tensor) -> bool:
     )
 
 
-def ws_gemm(a, b, offs, c, *, epilogue: int = WS_PLAIN, bias=None, out2=None, aux=None, h_cols: int = 0,
-            spec=None, ones_col: bool = False):
+def ws_gemm(a, b, offs, c, *, epilogue: int = WS_PLAIN, bias=None, out2=None, spec=None):
     """Rows-ragged GEMM on the warp-specialized Hopper kernel (check ``ws_ok`` first).
 
     a (M, K) bf16 row-major; b (E, K, N) with a unit stride along K or N; bias (E, N) or None.
-    WS_PLAIN: c (M, N) = a @ b[g] (+ bias). WS_SWIGLU: c = aux (M, N), out2 = h (M, N / 2).
-    WS_DSWIGLU: the product dH (M, N) is not stored; with aux (M, 2N), c = d_aux (M, 2N) and out2 = h
-    (M, h_cols), ones at column N when ``ones_col``. Rows past offs[-1] of c and out2 are zero."""
+    WS_PLAIN: c (M, N) = a @ b[g] (+ bias). WS_SWIGLU: c = aux (M, N) and out2 = h = SwiGLU(aux)
+    (M, N / 2), gate and linear columns interleaved. Rows past offs[-1] of c and out2 are zero."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
@@ -228,18 +226,16 @@ def ws_gemm(a, b, offs, c, *, epilogue: int = WS_PLAIN, bias=None, out2=None, au
         c.stride(0), out2.stride(0), max_row_tiles,
         BLOCK_M=bm, BLOCK_E=triton.next_power_of_2(e), BLOCK_T=128, BLOCK_Z=32, num_warps=4,
     )
-    words = epilogue != WS_PLAIN  # (M, 2F) tensors go in as int32 words of bf16 pairs
-    c_arg = c.view(torch.int32) if words else c
-    aux_arg = aux.view(torch.int32) if aux is not None else c_arg
+    c_arg = c.view(torch.int32) if epilogue == WS_SWIGLU else c  # aux as int32 words of bf16 pairs
     sw = spec.constexprs() if spec is not None else dict(ALPHA=1.0, LIMIT=None, OFFSET=0.0)
     programs = min(config.num_sms(a.device), max_row_tiles * triton.cdiv(n, bn))
     hk._grouped_mm_ws_kernel[(programs,)](
         a_desc, b_desc, c_desc,
-        c_arg, c_arg.stride(0), out2, out2.stride(0), aux_arg, aux_arg.stride(0),
+        c_arg, c_arg.stride(0), out2, out2.stride(0),
         bias if bias is not None else c, bias.stride(0) if bias is not None else 0, table, offs,
-        n, k, h_cols,
+        n, k,
         NUM_SMS=programs, GROUP_M=8, STAGES=_WS_STAGES, B_TRANS=b_trans, HAS_BIAS=bias is not None,
-        EPILOGUE=epilogue, ALPHA=sw["ALPHA"], LIMIT=sw["LIMIT"], OFFSET=sw["OFFSET"], ONES_COL=ones_col,
+        EPILOGUE=epilogue, ALPHA=sw["ALPHA"], LIMIT=sw["LIMIT"], OFFSET=sw["OFFSET"],
         num_warps=4, maxnreg=168,
     )
     return c

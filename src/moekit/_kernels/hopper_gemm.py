@@ -1,30 +1,33 @@
 """Warp-specialized grouped GEMM for Hopper (Gluon), rows ragged, with fused epilogues.
 
 ``c[rows_g] = epilogue(a[rows_g] @ b[g])`` for the groups that ``offs`` splits the rows of ``a`` into:
-the contract of ``_grouped_mm_ragged_m_kernel`` (``grouped_gemm.py``) and of the SwiGLU kernels
-(``experts.py``, ``epilogue.py``), scheduled so that the epilogue costs no tensor-core time:
+the contract of ``_grouped_mm_ragged_m_kernel`` (``grouped_gemm.py``) and of the up-projection's
+SwiGLU kernel (``experts.py``), on Hopper's warp-specialized schedule:
 
-* a TMA warp (the loader) streams A and B tiles into a ring of shared-memory stages;
-* two consumer warpgroups share each 128 x 256 tile (64 rows each) and run only the wgmma main loop.
-  They start the accumulator from the bias, hand the finished tile over through one bf16 buffer in
-  shared memory, and go on with the next tile while
-* an epilogue warpgroup stores the tile and runs the SwiGLU (forward or backward) on it.
+* a TMA warp (the loader) streams A and B tiles into a ring of shared-memory stages, running ahead
+  of the math across tile boundaries;
+* two consumer warpgroups share each 128 x 256 tile (64 rows each). Each starts its accumulator from
+  the bias, runs the wgmma main loop, stages the bf16 result in shared memory, sends it out with one
+  asynchronous TMA store that overlaps the next tile's main loop, and computes SwiGLU from the
+  staged tile.
 
-A ping-pong schedule (two consumers taking turns on 128 x 128 tiles) was measured first: the half-size
-tiles need twice the shared-memory and L2 traffic per FLOP and ran at 500-530 TF/s, against 690 for
-this one (bench/NOTES.md).
+Measured alternatives (bench/NOTES.md): a ping-pong schedule (two consumers taking turns on
+128 x 128 tiles) needs twice the shared-memory and L2 traffic per FLOP and ran at 500-530 TF/s
+against 690 for this one; a separate epilogue warpgroup does not fit, since four warpgroups leave
+128 registers per thread at launch and the 64 x 256 wgmma needs 154.
 
 Epilogues (``EPILOGUE``):
 
 * ``PLAIN``: c = a @ b[g] (+ bias[g]).
 * ``SWIGLU``: the up-projection. c is aux = a @ b[g] + bias[g] (M, 2F), gate and linear columns
   interleaved; out2 is h = SwiGLU(aux) (M, F), computed from the rounded aux.
-* ``DSWIGLU``: the down-projection's dgrad. The product is dH (M, F) (never stored); with aux (M, 2F),
-  c is d_aux = dSwiGLU(aux) * dH (M, 2F) and out2 is the recomputed h (M, H_COLS), with a column of
-  ones at F when ``ONES_COL`` (see ``grouped_mm_dswiglu``).
 
-Interleaved pairs are read and written as int32 words (gate in the low half, linear in the high
-half), so that the SwiGLU never needs a stride-2 access or a layout shuffle.
+A dSwiGLU epilogue for the down-projection's dgrad (reading aux from global memory in the epilogue)
+was measured too and left out: its aux reads sit between main loops, which made the fused dgrad
+5.47 ms against 3.65 ms for the Triton dgrad plus the separate pass (bench/NOTES.md).
+
+Interleaved pairs are read as int32 words (gate in the low half, linear in the high half), so that
+the SwiGLU never needs a stride-2 access or a layout shuffle.
 
 Tiles: ``_tile_table_kernel`` turns ``offs`` into a table of row tiles on the device (group, first
 row) and writes zeros to the rows past ``offs[-1]``; every partition walks ``rows x tiles_n`` tiles
@@ -45,12 +48,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .epilogue import swiglu_apply, swiglu_apply_bwd
+from .epilogue import swiglu_apply
 
 PLAIN = tl.constexpr(0)
 SWIGLU = tl.constexpr(1)
-DSWIGLU = tl.constexpr(2)
-EPI_ROWS = tl.constexpr(16)  # rows per step of the epilogue warpgroup
+EPI_ROWS = tl.constexpr(16)  # rows per step of the epilogue
 
 
 # --------------------------------------------------------------------------------------------------
@@ -158,25 +160,15 @@ def _unpack_pairs(w):
 
 
 @gluon.jit
-def _pack_pairs(lo, hi):
-    """(low, high) fp32 -> int32 words of their bf16 roundings."""
-    lo16 = lo.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 65535
-    hi16 = hi.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32)
-    return (hi16 << 16) | lo16
-
-
-@gluon.jit
-def _epilogue(buf, c_desc, c_ptr, stride_c, out2_ptr, stride_out2, aux_ptr, stride_aux,
-              row, end, pid_n, N, H_COLS,
-              EPILOGUE: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr,
-              ONES_COL: gl.constexpr):
+def _epilogue(buf, c_desc, c_ptr, stride_c, out2_ptr, stride_out2, row, end, pid_n, N,
+              EPILOGUE: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr):
     """Store one consumer's rows [row, row + HALF) of a tile, staged in ``buf`` (see the module doc).
 
-    SWIGLU and DSWIGLU read and write (M, 2F) tensors as int32 words of bf16 pairs: c_ptr (aux,
-    d_aux) and aux_ptr, with strides in words."""
+    A full tile leaves by one TMA store; a tile cut by its group's end by masked stores. SWIGLU reads
+    the staged aux as int32 words of bf16 pairs, and c_ptr is aux's word view (stride in words)."""
     HALF: gl.constexpr = buf.shape[0]
     BLOCK_N: gl.constexpr = buf.shape[1]
-    R: gl.constexpr = EPI_ROWS // 2 if EPILOGUE == DSWIGLU else EPI_ROWS  # DSWIGLU rows are 2x wider
+    R: gl.constexpr = EPI_ROWS
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
     rows_in = gl.arange(0, R, layout=gl.SliceLayout(1, layout))
     if EPILOGUE == SWIGLU:  # BLOCK_N // 2 (gate, linear) words per row
@@ -186,52 +178,31 @@ def _epilogue(buf, c_desc, c_ptr, stride_c, out2_ptr, stride_out2, aux_ptr, stri
         W: gl.constexpr = BLOCK_N
         src = buf
     cols = pid_n * W + gl.arange(0, W, layout=gl.SliceLayout(0, layout))
+    c_cols = N // 2 if EPILOGUE == SWIGLU else N
     full = row + HALF <= end
-    if EPILOGUE != DSWIGLU:
-        if full:  # the staged tile is the output (plain) or aux (SwiGLU) as it stands
-            tma.async_copy_shared_to_global(c_desc, [row, pid_n * BLOCK_N], buf)
-    if EPILOGUE == DSWIGLU:  # aux words of the first row block, then each next one before the math
-        nxt = gl.load(aux_ptr + (row + rows_in).to(gl.int64)[:, None] * stride_aux + cols[None, :],
-                      mask=((row + rows_in)[:, None] < end) & (cols[None, :] < N), other=0)
-    for r0 in gl.static_range(0, HALF, R):  # (unrolled: a shared-memory slice needs a constant start)
-        rows = row + r0 + rows_in
-        keep = rows[:, None] < end
-        rows64 = rows.to(gl.int64)[:, None]
-        x = src.slice(r0, R, dim=0).load(layout)
-        if EPILOGUE == PLAIN:
+    if full:  # the staged tile is the output (plain) or aux (SwiGLU) as it stands
+        tma.async_copy_shared_to_global(c_desc, [row, pid_n * BLOCK_N], buf)
+    if (EPILOGUE == SWIGLU) | (not full):
+        for r0 in gl.static_range(0, HALF, R):  # (unrolled: a shared-memory slice needs a constant start)
+            rows = row + r0 + rows_in
+            rows64 = rows.to(gl.int64)[:, None]
+            mask = (rows[:, None] < end) & (cols[None, :] < c_cols)
+            x = src.slice(r0, R, dim=0).load(layout)
             if not full:
-                gl.store(c_ptr + rows64 * stride_c + cols[None, :], x, mask=keep & (cols[None, :] < N))
-        elif EPILOGUE == SWIGLU:
-            in_f = keep & (cols[None, :] < N // 2)
-            if not full:
-                gl.store(c_ptr + rows64 * stride_c + cols[None, :], x, mask=in_f)
-            gate, lin = _unpack_pairs(x)
-            h = swiglu_apply(gate, lin, ALPHA, LIMIT, OFFSET)
-            gl.store(out2_ptr + rows64 * stride_out2 + cols[None, :], h.to(out2_ptr.dtype.element_ty), mask=in_f)
-        else:
-            w = nxt
-            if r0 + R < HALF:
-                nrows = rows + R
-                nxt = gl.load(aux_ptr + nrows.to(gl.int64)[:, None] * stride_aux + cols[None, :],
-                              mask=(nrows[:, None] < end) & (cols[None, :] < N), other=0)
-            in_f = keep & (cols[None, :] < N)
-            gate, lin = _unpack_pairs(w)
-            dg, dl, h = swiglu_apply_bwd(gate, lin, x.to(gl.float32), ALPHA, LIMIT, OFFSET)
-            gl.store(c_ptr + rows64 * stride_c + cols[None, :], _pack_pairs(dg, dl), mask=in_f)
-            h_mask = in_f
-            if ONES_COL:  # past F the pair reads as 0, so h is 0 there; column F holds ones
-                h = gl.where(cols[None, :] == N, 1.0, h)
-                h_mask = keep & (cols[None, :] < H_COLS)
-            gl.store(out2_ptr + rows64 * stride_out2 + cols[None, :], h.to(out2_ptr.dtype.element_ty), mask=h_mask)
+                gl.store(c_ptr + rows64 * stride_c + cols[None, :], x, mask=mask)
+            if EPILOGUE == SWIGLU:
+                gate, lin = _unpack_pairs(x)
+                h = swiglu_apply(gate, lin, ALPHA, LIMIT, OFFSET)
+                gl.store(out2_ptr + rows64 * stride_out2 + cols[None, :], h.to(out2_ptr.dtype.element_ty),
+                         mask=mask)
 
 
 @gluon.jit
 def _mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, out2_ptr, stride_out2,
-                   aux_ptr, stride_aux, bias_ptr, stride_bias, table, offs_ptr, N, K, H_COLS, tiles_n,
+                   bias_ptr, stride_bias, table, offs_ptr, N, K, tiles_n,
                    CONSUMER: gl.constexpr, NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr,
                    STAGES: gl.constexpr, B_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr,
-                   EPILOGUE: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr,
-                   ONES_COL: gl.constexpr):
+                   EPILOGUE: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr):
     """Consumer warpgroup CONSUMER: rows [CONSUMER * HALF, (CONSUMER + 1) * HALF) of every tile,
     main loop then epilogue."""
     HALF: gl.constexpr = a_bufs.shape[1] // 2
@@ -273,20 +244,20 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, o
         tma.store_wait(0)  # the previous tile's TMA store has read buf
         buf.store(acc.to(buf.dtype))
         fence_async_shared()
-        _epilogue(buf, c_desc, c_ptr, stride_c, out2_ptr, stride_out2, aux_ptr, stride_aux,
-                  row + CONSUMER * HALF, end, pid_n, N, H_COLS, EPILOGUE, ALPHA, LIMIT, OFFSET, ONES_COL)
+        _epilogue(buf, c_desc, c_ptr, stride_c, out2_ptr, stride_out2, row + CONSUMER * HALF, end, pid_n, N,
+                  EPILOGUE, ALPHA, LIMIT, OFFSET)
     tma.store_wait(0)
 
 
 @gluon.jit
 def _grouped_mm_ws_kernel(
     a_desc, b_desc, c_desc,  # a (M, K) [BM, BK]; b (E, N, K) [1, BN, BK] (B_TRANS) or (E, K, N) [1, BK, BN]; c [BM // 2, BN]
-    c_ptr, stride_c, out2_ptr, stride_out2, aux_ptr, stride_aux,  # outputs and inputs by epilogue (module doc)
+    c_ptr, stride_c, out2_ptr, stride_out2,  # the outputs, by epilogue (module doc)
     bias_ptr, stride_bias, table, offs_ptr,  # bias (E, N) or None; the row-tile table; offs (E,) int32
-    N, K, H_COLS,
+    N, K,
     NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
     HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr,
-    ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr, ONES_COL: gl.constexpr,
+    ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr,
 ):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -303,13 +274,11 @@ def _grouped_mm_ws_kernel(
     gl.warp_specialize(
         [
             (_mma_partition, (a_bufs, b_bufs, ready, empty, buf0, c_desc, c_ptr, stride_c, out2_ptr,
-                              stride_out2, aux_ptr, stride_aux, bias_ptr, stride_bias, table, offs_ptr,
-                              N, K, H_COLS, tiles_n, 0, NUM_SMS, GROUP_M, STAGES, B_TRANS, HAS_BIAS,
-                              EPILOGUE, ALPHA, LIMIT, OFFSET, ONES_COL)),
+                              stride_out2, bias_ptr, stride_bias, table, offs_ptr, N, K, tiles_n,
+                              0, NUM_SMS, GROUP_M, STAGES, B_TRANS, HAS_BIAS, EPILOGUE, ALPHA, LIMIT, OFFSET)),
             (_mma_partition, (a_bufs, b_bufs, ready, empty, buf1, c_desc, c_ptr, stride_c, out2_ptr,
-                              stride_out2, aux_ptr, stride_aux, bias_ptr, stride_bias, table, offs_ptr,
-                              N, K, H_COLS, tiles_n, 1, NUM_SMS, GROUP_M, STAGES, B_TRANS, HAS_BIAS,
-                              EPILOGUE, ALPHA, LIMIT, OFFSET, ONES_COL)),
+                              stride_out2, bias_ptr, stride_bias, table, offs_ptr, N, K, tiles_n,
+                              1, NUM_SMS, GROUP_M, STAGES, B_TRANS, HAS_BIAS, EPILOGUE, ALPHA, LIMIT, OFFSET)),
             (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, table, offs_ptr, K, tiles_n,
                                NUM_SMS, GROUP_M, STAGES, B_TRANS)),
         ],
