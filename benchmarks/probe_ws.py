@@ -38,34 +38,37 @@ def _rel(a, b):
 
 
 def main(names):
-    spec = SwiGLU()
     for name in names:
-        s = SHAPES[name]
-        gen = torch.Generator().manual_seed(0)
-        offs = offs_from_counts(routed_counts(s.tokens, s.e, s.top_k, generator=gen), device="cuda")
-        m, d, f, e = s.tokens * s.top_k, s.d, s.f, s.e
-        x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
-        w_up = (torch.randn(e, 2 * f, d, device="cuda", dtype=torch.bfloat16) / d**0.5).mT  # (E, D, 2F)
-        b_up = torch.randn(e, 2 * f, device="cuda", dtype=torch.bfloat16)
-        w_down = (torch.randn(e, d, f, device="cuda", dtype=torch.bfloat16) / f**0.5).mT  # (E, F, D)
-        h, aux = grouped_mm_swiglu_fwd(x, w_up, offs, b_up, spec)
-        problems = {
-            "up+swiglu": (lambda: grouped_mm_swiglu_fwd(x, w_up, offs, b_up, spec), 2 * m * d * 2 * f,
-                          lambda: x @ w_up[0], lambda: torch._grouped_mm(x, w_up, offs)),
-        }
-        out = torch.empty(m, d, device="cuda", dtype=torch.bfloat16)
-        problems["down fwd (plain)"] = (
-            lambda: ws_gemm(h, w_down, offs, out) if not os.environ.get("MOEKIT_NO_WS") else
-            _ragged_m(h, w_down, offs, torch.bfloat16, None), 2 * m * d * f,
-            lambda: h @ w_down[0], lambda: torch._grouped_mm(h, w_down, offs))
-        for label, (fn, flops, dense, grouped) in problems.items():
-            got, want = _toggled(fn, True)(), _toggled(fn, False)()
-            errs = [_rel(g, w_) for g, w_ in zip(got if isinstance(got, tuple) else (got,),
-                                                   want if isinstance(want, tuple) else (want,))]
-            ms = interleaved_ms({"ws": _toggled(fn, True), "triton": _toggled(fn, False),
-                                 "torch": grouped, "dense": dense}, rounds=3, rep_ms=100)
-            cells = " ".join(f"{k} {v:.3f} ms ({flops / v / 1e9:.0f})" for k, v in ms.items())
-            print(f"{name} {label}: diff vs triton {max(errs):.1e} | {cells}", flush=True)
+        probe_shape(name, SwiGLU())
+
+
+def probe_shape(name, spec):
+    s = SHAPES[name]
+    gen = torch.Generator().manual_seed(0)
+    offs = offs_from_counts(routed_counts(s.tokens, s.e, s.top_k, generator=gen), device="cuda")
+    m, d, f, e = s.tokens * s.top_k, s.d, s.f, s.e
+    x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+    w_up = (torch.randn(e, 2 * f, d, device="cuda", dtype=torch.bfloat16) / d**0.5).mT  # (E, D, 2F)
+    b_up = torch.randn(e, 2 * f, device="cuda", dtype=torch.bfloat16)
+    w_down = (torch.randn(e, d, f, device="cuda", dtype=torch.bfloat16) / f**0.5).mT  # (E, F, D)
+    h, aux = grouped_mm_swiglu_fwd(x, w_up, offs, b_up, spec)
+    problems = {
+        "up+swiglu": (lambda: grouped_mm_swiglu_fwd(x, w_up, offs, b_up, spec), 2 * m * d * 2 * f,
+                      lambda: x @ w_up[0], lambda: torch._grouped_mm(x, w_up, offs)),
+    }
+    out = torch.empty(m, d, device="cuda", dtype=torch.bfloat16)
+    problems["down fwd (plain)"] = (
+        lambda: ws_gemm(h, w_down, offs, out) if not os.environ.get("MOEKIT_NO_WS") else
+        _ragged_m(h, w_down, offs, torch.bfloat16, None), 2 * m * d * f,
+        lambda: h @ w_down[0], lambda: torch._grouped_mm(h, w_down, offs))
+    for label, (fn, flops, dense, grouped) in problems.items():
+        got, want = _toggled(fn, True)(), _toggled(fn, False)()
+        errs = [_rel(g, w_) for g, w_ in zip(got if isinstance(got, tuple) else (got,),
+                                               want if isinstance(want, tuple) else (want,), strict=True)]
+        ms = interleaved_ms({"ws": _toggled(fn, True), "triton": _toggled(fn, False),
+                             "torch": grouped, "dense": dense}, rounds=3, rep_ms=100)
+        cells = " ".join(f"{k} {v:.3f} ms ({flops / v / 1e9:.0f})" for k, v in ms.items())
+        print(f"{name} {label}: diff vs triton {max(errs):.1e} | {cells}", flush=True)
 
 
 if __name__ == "__main__":

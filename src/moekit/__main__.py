@@ -16,6 +16,8 @@ import sys
 
 import torch
 
+from . import config
+
 
 def _progress(desc: str):
     try:
@@ -45,7 +47,10 @@ def _bench(args) -> None:
     shapes = [known[n] for n in names]
     if args.tokens:
         shapes = [dataclasses.replace(s, tokens=args.tokens) for s in shapes]
-    path = "Triton kernels" if uses_triton(torch.device("cuda" if on_gpu else "cpu")) else "pure-PyTorch reference"
+    device = torch.device("cuda" if on_gpu else "cpu")
+    path = "pure-PyTorch reference"
+    if uses_triton(device):
+        path = "Triton and Gluon kernels" if config.use_warp_specialized(device) else "Triton kernels"
     os.makedirs(args.out, exist_ok=True)
     written = []
     block_shapes = [s for s in shapes if s.name == "gpt-oss-20b" or not on_gpu] if not args.shape else shapes

@@ -28,6 +28,7 @@ from ._kernels.epilogue import _swiglu_bwd_kernel, _swiglu_kernel
 from ._kernels.experts import _grouped_colsum_kernel, _grouped_mm_swiglu_kernel
 from .epilogue import SwiGLU
 from .grouped_gemm import (
+    WS_SWIGLU,
     _check_layout,
     _grouped_mm_op,
     _matrix_ready,
@@ -35,7 +36,6 @@ from .grouped_gemm import (
     _ragged_m,
     _row_bounded,
     _tma_ok,
-    WS_SWIGLU,
     grouped_mm_fwd,
     ws_gemm,
     ws_ok,

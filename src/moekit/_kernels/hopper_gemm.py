@@ -123,7 +123,6 @@ def _tile_at(t, table, offs_ptr, tiles_n, n_rows_tiles, GROUP_M: gl.constexpr):
 def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, table, offs_ptr, K, tiles_n,
                     NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                     B_TRANS: gl.constexpr):
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     if B_TRANS:
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
@@ -251,7 +250,8 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, o
 
 @gluon.jit
 def _grouped_mm_ws_kernel(
-    a_desc, b_desc, c_desc,  # a (M, K) [BM, BK]; b (E, N, K) [1, BN, BK] (B_TRANS) or (E, K, N) [1, BK, BN]; c [BM // 2, BN]
+    a_desc, b_desc, c_desc,  # a (M, K) [BM, BK]; c (M, N) [BM // 2, BN]
+    # b (E, N, K) [1, BN, BK] (B_TRANS) or (E, K, N) [1, BK, BN]
     c_ptr, stride_c, out2_ptr, stride_out2,  # the outputs, by epilogue (module doc)
     bias_ptr, stride_bias, table, offs_ptr,  # bias (E, N) or None; the row-tile table; offs (E,) int32
     N, K,
