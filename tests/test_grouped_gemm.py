@@ -229,3 +229,30 @@ def test_validate_checks_offs_values(bad):
     moekit.set_debug(True)
     with pytest.raises(ValueError, match="non-decreasing"):
         grouped_mm(a, b, offs)
+
+
+@pytest.mark.parametrize("counts, m", [
+    pytest.param([300, 0, 517, 180], 1100, id="empty-expert-tail-rows"),  # rows past offs[-1] get zeros
+    pytest.param([300, 0, 517, 4000], 1100, id="offs-past-m"),  # a bad offs is clamped to M, never past it
+    pytest.param([0, 0], 40, id="all-tail"),  # no row tiles at all
+])
+def test_warp_specialized_tile_table(interpreter, counts, m):
+    """The row-tile table of the warp-specialized Hopper GEMM (a plain Triton prologue, so it runs
+    here; the Gluon GEMM itself needs an sm_90 GPU: tests/test_grouped_gemm_gpu.py)."""
+    from moekit._kernels.hopper_gemm import _tile_table_kernel
+
+    e, bm, n, n2 = len(counts), 128, 300, 10
+    offs = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+    max_tiles = -(-m // bm) + e
+    table = torch.full((3 * (max_tiles + 1),), -7, dtype=torch.int32)
+    c, c2 = torch.ones(m, n), torch.ones(m, n2)
+    _tile_table_kernel[(8,)](offs, table, c, c2, m, n, n2, e, c.stride(0), c2.stride(0), max_tiles,
+                             BLOCK_M=bm, BLOCK_E=8, BLOCK_T=128, BLOCK_Z=32)
+    ends = offs.clamp(max=m).tolist()
+    starts = [0] + ends[:-1]
+    want = [(g, r, ends[g]) for g in range(e) for r in range(starts[g], ends[g], bm)]
+    assert table[0].item() == len(want)
+    assert table[3 : 3 + 3 * len(want)].view(-1, 3).tolist() == [list(t) for t in want]
+    tail = ends[-1]
+    assert not c[tail:].any() and not c2[tail:].any()
+    assert (c[:tail] == 1).all() and (c2[:tail] == 1).all()

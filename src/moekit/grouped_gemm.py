@@ -220,11 +220,11 @@ def ws_gemm(a, b, offs, c, *, epilogue: int = WS_PLAIN, bias=None, out2=None, sp
     c_desc = desc(c, [m, c.shape[1]], [c.stride(0), 1], [bm // 2, bn])
     out2 = c if out2 is None else out2
     max_row_tiles = triton.cdiv(m, bm) + e
-    table = torch.empty(2 * (max_row_tiles + 1), dtype=torch.int32, device=a.device)
+    table = torch.empty(3 * (max_row_tiles + 1), dtype=torch.int32, device=a.device)
     hk._tile_table_kernel[(max(triton.cdiv(max_row_tiles, 128), 8),)](
         offs, table, c, out2, m, c.shape[1], out2.shape[1] if out2 is not c else 0, e,
         c.stride(0), out2.stride(0), max_row_tiles,
-        BLOCK_M=bm, BLOCK_E=triton.next_power_of_2(e), BLOCK_T=128, BLOCK_Z=32, num_warps=4,
+        BLOCK_M=bm, BLOCK_E=triton.next_power_of_2(e + 1), BLOCK_T=128, BLOCK_Z=32, num_warps=4,
     )
     c_arg = c.view(torch.int32) if epilogue == WS_SWIGLU else c  # aux as int32 words of bf16 pairs
     sw = spec.constexprs() if spec is not None else dict(ALPHA=1.0, LIMIT=None, OFFSET=0.0)
@@ -232,7 +232,7 @@ def ws_gemm(a, b, offs, c, *, epilogue: int = WS_PLAIN, bias=None, out2=None, sp
     hk._grouped_mm_ws_kernel[(programs,)](
         a_desc, b_desc, c_desc,
         c_arg, c_arg.stride(0), out2, out2.stride(0),
-        bias if bias is not None else c, bias.stride(0) if bias is not None else 0, table, offs,
+        bias if bias is not None else c, bias.stride(0) if bias is not None else 0, table,
         n, k,
         NUM_SMS=programs, GROUP_M=8, STAGES=_WS_STAGES, B_TRANS=b_trans, HAS_BIAS=bias is not None,
         EPILOGUE=epilogue, ALPHA=sw["ALPHA"], LIMIT=sw["LIMIT"], OFFSET=sw["OFFSET"],

@@ -99,3 +99,16 @@ def reference_run(fn, inputs, grad_out, dtype):
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     outputs[-1].backward(grad_out.to(dtype))
     return outputs, [None if t is None else t.grad for t in leaves]
+
+
+def assert_run_within_reference(ref_fn, inputs, grad_out, outputs, grads, *, names) -> None:
+    """Hold a kernel run to its reference: ``outputs`` and the input ``grads`` (None: outputs only)
+    against ``ref_fn`` in float64, each allowed ``assert_within_baseline``'s multiple of the error of
+    ``ref_fn`` run in the inputs' own dtype. ``names``: one per output, then one per input."""
+    dtype = next(t.dtype for t in inputs if t is not None)
+    (r64, g64), (r16, g16) = (reference_run(ref_fn, inputs, grad_out, dt) for dt in (torch.float64, dtype))
+    got, oracle, base = list(outputs), list(r64), list(r16)
+    if grads is not None:
+        got, oracle, base = got + list(grads), oracle + list(g64), base + list(g16)
+    for name, g, o, b in zip(names[: len(got)], got, oracle, base, strict=True):
+        assert_within_baseline(g, o, b, what=name)

@@ -30,7 +30,7 @@ Interleaved pairs are read as int32 words (gate in the low half, linear in the h
 the SwiGLU never needs a stride-2 access or a layout shuffle.
 
 Tiles: ``_tile_table_kernel`` turns ``offs`` into a table of row tiles on the device (group, first
-row) and writes zeros to the rows past ``offs[-1]``; every partition walks ``rows x tiles_n`` tiles
+row, group end) and writes zeros to the rows past ``offs[-1]``; every partition walks the tiles
 persistently, GROUP_M row tiles at a time, with no host sync. Rows of a tile past its group's end
 are read but never stored.
 """
@@ -49,6 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .epilogue import swiglu_apply
+from .grouped_gemm import _group_table, _swizzle
 
 PLAIN = tl.constexpr(0)
 SWIGLU = tl.constexpr(1)
@@ -63,31 +64,30 @@ def _tile_table_kernel(
     offs_ptr, table_ptr, c_ptr, c2_ptr, M, N, N2, E, stride_cm, stride_c2m, max_tiles,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_Z: tl.constexpr,
 ):
-    """table[0] = (number of row tiles, 0); table[1 + i] = (group, first row) of row tile i.
+    """table[0] = number of row tiles; table[3 + 3i : 6 + 3i] = (group, first row, group end row) of
+    row tile i, the ends clamped to [0, M] as in ``_group_table``.
 
     Also zero-fills the rows [offs[-1], M) of c (M, N) and c2 (M, N2), the rows of no group."""
     pid = tl.program_id(0)
-    e = tl.arange(0, BLOCK_E)
-    ends = tl.load(offs_ptr + e, mask=e < E, other=0)
-    ends = tl.minimum(tl.maximum(ends, 0), M)
-    starts = tl.load(offs_ptr + e - 1, mask=(e >= 1) & (e < E), other=0)
-    starts = tl.minimum(tl.maximum(starts, 0), ends)
-    tiles = tl.where(e < E, tl.cdiv(ends - starts, BLOCK_M), 0)
+    # group E of the table is the tail [offs[-1], M): it gets zeros here, not row tiles
+    e, starts, ends, tiles, _, _ = _group_table(offs_ptr, M, E, 1, BLOCK_M, BLOCK_E)
+    tiles = tl.where(e < E, tiles, 0)
     tiles_end = tl.cumsum(tiles, 0)
     total = tl.sum(tiles, 0)
     if pid == 0:
         tl.store(table_ptr, total)
-        tl.store(table_ptr + 1, 0)
     i = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     g = tl.sum((tiles_end[None, :] <= i[:, None]).to(tl.int32), 1)
     hit = e[None, :] == g[:, None]
     first_tile = tl.sum(tl.where(hit, tiles_end - tiles, 0), 1)
     start = tl.sum(tl.where(hit, starts, 0), 1)
+    end = tl.sum(tl.where(hit, ends, 0), 1)
     keep = (i < total) & (i < max_tiles)
-    tl.store(table_ptr + 2 + 2 * i, g, mask=keep)
-    tl.store(table_ptr + 3 + 2 * i, start + (i - first_tile) * BLOCK_M, mask=keep)
+    tl.store(table_ptr + 3 + 3 * i, g, mask=keep)
+    tl.store(table_ptr + 4 + 3 * i, start + (i - first_tile) * BLOCK_M, mask=keep)
+    tl.store(table_ptr + 5 + 3 * i, end, mask=keep)
     # rows past offs[-1]: zeros, BLOCK_Z rows per program and step
-    last = tl.max(tl.where(e < E, ends, 0), 0)
+    last = tl.sum(tl.where(e == E, starts, 0), 0)
     for r0 in range(last + pid * BLOCK_Z, M, tl.num_programs(0) * BLOCK_Z):
         r = r0 + tl.arange(0, BLOCK_Z)
         for n0 in range(0, N, 128):
@@ -106,21 +106,15 @@ def _tile_table_kernel(
 # the warp-specialized GEMM
 # --------------------------------------------------------------------------------------------------
 @gluon.jit
-def _tile_at(t, table, offs_ptr, tiles_n, n_rows_tiles, GROUP_M: gl.constexpr):
+def _tile_at(t, table, tiles_n, n_rows_tiles, GROUP_M: gl.constexpr):
     """Tile index -> (group, first row, group end row, pid_n), GROUP_M row tiles at a time."""
-    width = GROUP_M * tiles_n
-    first_m = (t // width) * GROUP_M
-    rows = gl.minimum(n_rows_tiles - first_m, GROUP_M)
-    mt = first_m + (t % width) % rows
-    pid_n = (t % width) // rows
-    g = gl.load(table + 2 + 2 * mt)
-    row = gl.load(table + 3 + 2 * mt)
-    end = gl.load(offs_ptr + g)
-    return g, row, end, pid_n
+    mt, pid_n = _swizzle(t, n_rows_tiles, tiles_n, GROUP_M)
+    entry = table + 3 + 3 * mt
+    return gl.load(entry), gl.load(entry + 1), gl.load(entry + 2), pid_n
 
 
 @gluon.jit
-def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, table, offs_ptr, K, tiles_n,
+def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, table, K, tiles_n,
                     NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                     B_TRANS: gl.constexpr):
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -134,7 +128,7 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, table, offs_pt
     idx = 0
     phase = 1  # the first pass over the ring finds every stage free
     for t in range(gl.program_id(0), n_rows_tiles * tiles_n, NUM_SMS):
-        g, row, end, pid_n = _tile_at(t, table, offs_ptr, tiles_n, n_rows_tiles, GROUP_M)
+        g, row, end, pid_n = _tile_at(t, table, tiles_n, n_rows_tiles, GROUP_M)
         col = pid_n * BLOCK_N
         for ki in range(k_iters):
             k = ki * BLOCK_K
@@ -198,7 +192,7 @@ def _epilogue(buf, c_desc, c_ptr, stride_c, out2_ptr, stride_out2, row, end, pid
 
 @gluon.jit
 def _mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, out2_ptr, stride_out2,
-                   bias_ptr, stride_bias, table, offs_ptr, N, K, tiles_n,
+                   bias_ptr, stride_bias, table, N, K, tiles_n,
                    CONSUMER: gl.constexpr, NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr,
                    STAGES: gl.constexpr, B_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr,
                    EPILOGUE: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr):
@@ -215,7 +209,7 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, o
     idx = 0
     phase = 0
     for t in range(gl.program_id(0), n_rows_tiles * tiles_n, NUM_SMS):
-        g, row, end, pid_n = _tile_at(t, table, offs_ptr, tiles_n, n_rows_tiles, GROUP_M)
+        g, row, end, pid_n = _tile_at(t, table, tiles_n, n_rows_tiles, GROUP_M)
         acc = gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout)
         if HAS_BIAS:  # the accumulator starts from the bias: no registers held for it in the epilogue
             cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
@@ -253,7 +247,7 @@ def _grouped_mm_ws_kernel(
     a_desc, b_desc, c_desc,  # a (M, K) [BM, BK]; c (M, N) [BM // 2, BN]
     # b (E, N, K) [1, BN, BK] (B_TRANS) or (E, K, N) [1, BK, BN]
     c_ptr, stride_c, out2_ptr, stride_out2,  # the outputs, by epilogue (module doc)
-    bias_ptr, stride_bias, table, offs_ptr,  # bias (E, N) or None; the row-tile table; offs (E,) int32
+    bias_ptr, stride_bias, table,  # bias (E, N) or None; the row-tile table of _tile_table_kernel
     N, K,
     NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
     HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr,
@@ -274,12 +268,12 @@ def _grouped_mm_ws_kernel(
     gl.warp_specialize(
         [
             (_mma_partition, (a_bufs, b_bufs, ready, empty, buf0, c_desc, c_ptr, stride_c, out2_ptr,
-                              stride_out2, bias_ptr, stride_bias, table, offs_ptr, N, K, tiles_n,
+                              stride_out2, bias_ptr, stride_bias, table, N, K, tiles_n,
                               0, NUM_SMS, GROUP_M, STAGES, B_TRANS, HAS_BIAS, EPILOGUE, ALPHA, LIMIT, OFFSET)),
             (_mma_partition, (a_bufs, b_bufs, ready, empty, buf1, c_desc, c_ptr, stride_c, out2_ptr,
-                              stride_out2, bias_ptr, stride_bias, table, offs_ptr, N, K, tiles_n,
+                              stride_out2, bias_ptr, stride_bias, table, N, K, tiles_n,
                               1, NUM_SMS, GROUP_M, STAGES, B_TRANS, HAS_BIAS, EPILOGUE, ALPHA, LIMIT, OFFSET)),
-            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, table, offs_ptr, K, tiles_n,
+            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, table, K, tiles_n,
                                NUM_SMS, GROUP_M, STAGES, B_TRANS)),
         ],
         [4, 1],
