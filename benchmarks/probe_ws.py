@@ -1,7 +1,8 @@
 """Probe: the warp-specialized Hopper kernels (``_kernels/hopper_gemm.py``) against the Triton ones.
 
-Times, with every implementation interleaved, the gpt-oss up-projection with its SwiGLU epilogue
-and a plain rows-ragged GEMM (the down-projection's shape), with
+Times, with every implementation interleaved, the six GEMMs of a gpt-oss expert MLP step: the
+up-projection with its SwiGLU epilogue, the down-projection with its bias, the two dgrads
+(rows ragged) and the two weight gradients (ragged K), with
 ``MOEKIT_NO_WS`` toggled in-process; torch._grouped_mm and a dense matmul give the scale. Checks
 each warp-specialized result against the Triton path first. A development tool: the committed
 tables come from ``python -m moekit bench``.
@@ -16,7 +17,7 @@ from moekit import config
 from moekit.bench import SHAPES, environment, interleaved_ms
 from moekit.epilogue import SwiGLU
 from moekit.experts import grouped_mm_swiglu_fwd
-from moekit.grouped_gemm import _ragged_m, ws_gemm
+from moekit.grouped_gemm import _ragged_k, _ragged_m
 from moekit.testing import offs_from_counts, routed_counts
 
 
@@ -56,11 +57,19 @@ def probe_shape(name, spec):
         "up+swiglu": (lambda: grouped_mm_swiglu_fwd(x, w_up, offs, b_up, spec), 2 * m * d * 2 * f,
                       lambda: x @ w_up[0], lambda: torch._grouped_mm(x, w_up, offs)),
     }
-    out = torch.empty(m, d, device="cuda", dtype=torch.bfloat16)
-    problems["down fwd (plain)"] = (
-        lambda: ws_gemm(h, w_down, offs, out) if not os.environ.get("MOEKIT_NO_WS") else
-        _ragged_m(h, w_down, offs, torch.bfloat16, None), 2 * m * d * f,
-        lambda: h @ w_down[0], lambda: torch._grouped_mm(h, w_down, offs))
+    b_down = torch.randn(e, d, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+    bf16 = torch.bfloat16
+    problems["down fwd (bias)"] = (lambda: _ragged_m(h, w_down, offs, bf16, None, bias=b_down), 2 * m * d * f,
+                                   lambda: h @ w_down[0], lambda: torch._grouped_mm(h, w_down, offs))
+    problems["dH (dgrad)"] = (lambda: _ragged_m(dy, w_down.mT, offs, bf16, None), 2 * m * d * f,
+                              lambda: dy @ w_down[0].mT, lambda: torch._grouped_mm(dy, w_down.mT, offs))
+    problems["dX (dgrad)"] = (lambda: _ragged_m(aux, w_up.mT, offs, bf16, None), 4 * m * d * f,
+                              lambda: aux @ w_up[0].mT, lambda: torch._grouped_mm(aux, w_up.mT, offs))
+    problems["dW_up (wgrad)"] = (lambda: _ragged_k(x.mT, aux, offs, torch.bfloat16, None), 2 * m * d * 2 * f,
+                                 lambda: x.mT @ aux, lambda: torch._grouped_mm(x.mT, aux, offs))
+    problems["dW_down (wgrad)"] = (lambda: _ragged_k(h.mT, dy, offs, torch.bfloat16, None), 2 * m * d * f,
+                                   lambda: h.mT @ dy, lambda: torch._grouped_mm(h.mT, dy, offs))
     for label, (fn, flops, dense, grouped) in problems.items():
         got, want = _toggled(fn, True)(), _toggled(fn, False)()
         errs = [_rel(g, w_) for g, w_ in zip(got if isinstance(got, tuple) else (got,),

@@ -244,15 +244,16 @@ def test_warp_specialized_tile_table(interpreter, counts, m):
     e, bm, n, n2 = len(counts), 128, 300, 10
     offs = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
     max_tiles = -(-m // bm) + e
-    table = torch.full((3 * (max_tiles + 1),), -7, dtype=torch.int32)
+    table = torch.full((4 * (max_tiles + 1),), -7, dtype=torch.int32)
     c, c2 = torch.ones(m, n), torch.ones(m, n2)
     _tile_table_kernel[(8,)](offs, table, c, c2, m, n, n2, e, c.stride(0), c2.stride(0), max_tiles,
                              BLOCK_M=bm, BLOCK_E=8, BLOCK_T=128, BLOCK_Z=32)
     ends = offs.clamp(max=m).tolist()
     starts = [0] + ends[:-1]
-    want = [(g, r, ends[g]) for g in range(e) for r in range(starts[g], ends[g], bm)]
+    first = [sum(-(-(ends[h] - starts[h]) // bm) for h in range(g)) for g in range(e)]
+    want = [[g, starts[g], ends[g], first[g]] for g in range(e) for _ in range(starts[g], ends[g], bm)]
     assert table[0].item() == len(want)
-    assert table[3 : 3 + 3 * len(want)].view(-1, 3).tolist() == [list(t) for t in want]
+    assert table[4:].view(-1, 4).tolist() == want + [[0, 0, 0, 0]] * (max_tiles - len(want))
     tail = ends[-1]
     assert not c[tail:].any() and not c2[tail:].any()
     assert (c[:tail] == 1).all() and (c2[:tail] == 1).all()

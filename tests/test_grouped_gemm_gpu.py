@@ -4,8 +4,8 @@ heuristic can pick, autograd, no host sync, CUDA graphs, opcheck and torch.compi
 import pytest
 import torch
 
-from moekit import config, grouped_mm, grouped_mm_ref
-from moekit.grouped_gemm import _grouped_mm_op, grouped_mm_fwd, ws_gemm, ws_ok
+from moekit import config, grouped_gemm, grouped_mm, grouped_mm_ref
+from moekit.grouped_gemm import _grouped_mm_op, _ragged_k, grouped_mm_fwd, ws_gemm, ws_ok
 from moekit.testing import assert_close, offs_from_counts, random_counts, routed_counts
 
 pytestmark = pytest.mark.gpu
@@ -105,6 +105,47 @@ def test_warp_specialized_kernel(counts, rows, k, n, b_trans, has_bias):
     assert not out.isnan().any()
     assert_close(out, ref, BF16, what="ws_gemm")
     assert not out[int(sum(counts)) :].any()
+
+
+# (counts over Kt, Kt, M, N, ones_row) and why
+WS_WGRAD_CASES = [
+    pytest.param([300, 0, 517, 180], 1100, 200, 296, False, id="empty-expert-tails"),  # M, N tails, tail rows
+    pytest.param([1, 2, 3, 70, 5], 90, 136, 264, False, id="tiny-groups"),  # groups shorter than BLOCK_K
+    pytest.param([0, 0, 999, 0], 999, 64, 128, False, id="one-expert"),  # every row in one group
+    pytest.param([300, 0, 517, 180], 1100, 129, 200, True, id="ones-row"),  # ones row alone in a tile; N: no tail
+    pytest.param([768] * 12 + [0, 1500], 10716, 2881, 2880, True, id="gptoss-120b-ones-row"),  # short K, db_down
+]
+
+
+@pytest.mark.parametrize("counts, kt, m, n, ones_row", WS_WGRAD_CASES)
+def test_warp_specialized_wgrad(monkeypatch, counts, kt, m, n, ones_row):
+    """The warp-specialized ragged-K GEMM: a (M, Kt) with unit stride along M (x.mT), b (Kt, N). Rows
+    of Kt past offs[-1] hold NaN and must not leak; an empty group's block is exactly zero; with the
+    ones row, its product row is the per-group column sum of b, in fp32."""
+    if not config.use_warp_specialized(torch.device(DEV)):
+        pytest.skip("needs an sm_90 GPU with Gluon")
+    calls = []
+    launch = grouped_gemm._ws_ragged_k
+    monkeypatch.setattr(grouped_gemm, "_ws_ragged_k", lambda *args: calls.append(1) or launch(*args))
+    offs = offs_from_counts(counts, device=DEV)
+    x = torch.randn(kt, (m + 63) // 64 * 64, device=DEV).to(BF16)[:, :m]  # row stride padded like h's
+    dy = torch.randn(kt, n, device=DEV).to(BF16)
+    if ones_row:
+        x[:, -1] = 1.0
+    x[int(sum(counts)) :], dy[int(sum(counts)) :] = float("nan"), float("nan")
+    out = _ragged_k(x.mT, dy, offs, BF16, None, ones_row=ones_row)
+    assert calls, "the ragged-K GEMM did not take the warp-specialized kernel"
+    ref = _ref(x.mT, dy, offs)
+    if ones_row:
+        out, colsum = out
+        assert colsum.dtype == torch.float32 and not colsum.isnan().any()
+        torch.testing.assert_close(colsum, ref[:, -1].float(), rtol=1e-5, atol=1e-3)
+        ref = ref[:, :-1]
+    assert not out.isnan().any()
+    assert_close(out, ref, BF16, what="ws wgrad")
+    for g, c in enumerate(counts):
+        if c == 0:
+            assert (out[g] == 0).all()
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=_cfg_id)

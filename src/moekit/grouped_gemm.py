@@ -139,6 +139,8 @@ def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None, bias=None):
     if k == 0 and bias is None:
         return out.zero_()
     a_trans, b_trans = a.stride(1) != 1, b.stride(2) != 1
+    if cfg is None and _ws_rows_ragged(a, b, out, b_trans):
+        return ws_gemm(a, b, offs, out, bias=bias)
     # A TMA box must start 16-byte aligned along the unit-stride axis; groups start at any row, so an
     # `a` with unit stride along M (a.mT views) takes the pointer path.
     tma = (
@@ -180,7 +182,28 @@ def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None, bias=None):
 
 _WS_TILE = (128, 256, 64)  # (block_m, block_n, block_k): two consumer warpgroups of 64 rows
 _WS_STAGES = 3  # 3 x 48 KB ring + 2 x 32 KB epilogue buffers: 208 KB of the 227 KB
+_WS_GROUP_M = 8  # row tiles walked together, for L2 reuse
+_WS_MIN_ROWS = 128  # average rows per group below which the rows-ragged GEMM keeps Triton's smaller tiles
+
 WS_PLAIN, WS_SWIGLU = 0, 1  # the epilogues of _kernels/hopper_gemm.py
+
+
+def _ws_rows_ragged(a, b, out, b_trans: bool) -> bool:
+    """Whether a plain rows-ragged GEMM takes the warp-specialized kernel: bf16, >= _WS_MIN_ROWS rows
+    per group on average, and weights K-major or K <= N. (probe_ws.py, H100: the kernel wins on every
+    gpt-oss GEMM but the up-projection's dgrad, K = 2F = 2N with N-major weights, where it trails the
+    Triton kernel by 2-3%.)"""
+    (m, k), (e, _, n) = a.shape, b.shape
+    return (out.dtype == torch.bfloat16 and m >= _WS_MIN_ROWS * e and (b_trans or k <= n)
+            and ws_ok(a, b, out))
+
+
+def _ws_desc(t, shape, strides, block):
+    """A Gluon TMA descriptor over bf16 ``t`` with the default swizzled layout for ``block``."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    return GluonDescriptor(t, shape, strides, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
 
 
 def ws_ok(a: torch.Tensor, b: torch.Tensor, *outs: torch.Tensor) -> bool:
@@ -202,25 +225,19 @@ def ws_gemm(a, b, offs, c, *, epilogue: int = WS_PLAIN, bias=None, out2=None, sp
     a (M, K) bf16 row-major; b (E, K, N) with a unit stride along K or N; bias (E, N) or None.
     WS_PLAIN: c (M, N) = a @ b[g] (+ bias). WS_SWIGLU: c = aux (M, N) and out2 = h = SwiGLU(aux)
     (M, N / 2), gate and linear columns interleaved. Rows past offs[-1] of c and out2 are zero."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
-
     from ._kernels import hopper_gemm as hk  # Gluon: imported only where it runs
 
     (m, k), (e, _, n) = a.shape, b.shape
     bm, bn, bk = _WS_TILE
     b_trans = b.stride(2) != 1
-
-    def desc(t, shape, strides, block):
-        return GluonDescriptor(t, shape, strides, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
-
+    desc = _ws_desc
     a_desc = desc(a, [m, k], [a.stride(0), 1], [bm, bk])
     b_desc = (desc(b, [e, n, k], [b.stride(0), b.stride(2), 1], [1, bn, bk]) if b_trans
               else desc(b, [e, k, n], [b.stride(0), b.stride(1), 1], [1, bk, bn]))
     c_desc = desc(c, [m, c.shape[1]], [c.stride(0), 1], [bm // 2, bn])
     out2 = c if out2 is None else out2
     max_row_tiles = triton.cdiv(m, bm) + e
-    table = torch.empty(3 * (max_row_tiles + 1), dtype=torch.int32, device=a.device)
+    table = torch.empty(4 * (max_row_tiles + 1), dtype=torch.int32, device=a.device)
     hk._tile_table_kernel[(max(triton.cdiv(max_row_tiles, 128), 8),)](
         offs, table, c, out2, m, c.shape[1], out2.shape[1] if out2 is not c else 0, e,
         c.stride(0), out2.stride(0), max_row_tiles,
@@ -234,11 +251,38 @@ def ws_gemm(a, b, offs, c, *, epilogue: int = WS_PLAIN, bias=None, out2=None, sp
         c_arg, c_arg.stride(0), out2, out2.stride(0),
         bias if bias is not None else c, bias.stride(0) if bias is not None else 0, table,
         n, k,
-        NUM_SMS=programs, GROUP_M=8, STAGES=_WS_STAGES, B_TRANS=b_trans, HAS_BIAS=bias is not None,
+        NUM_SMS=programs, GROUP_M=_WS_GROUP_M, STAGES=_WS_STAGES, B_TRANS=b_trans, HAS_BIAS=bias is not None,
         EPILOGUE=epilogue, ALPHA=sw["ALPHA"], LIMIT=sw["LIMIT"], OFFSET=sw["OFFSET"],
         num_warps=4, maxnreg=168,
     )
     return c
+
+
+def _ws_ragged_k(a, b, offs, out, colsum):
+    """2D x 2D on the warp-specialized Hopper kernel: out (E, M - ones, N) = a (M, Kt) @ b (Kt, N) per
+    group, a with unit stride along M, b along N; with ``colsum`` (E, N) fp32, a's last row is ones and
+    its output row goes there. The caller checked the layouts (``_ragged_k``)."""
+    from ._kernels import hopper_gemm as hk  # Gluon: imported only where it runs
+
+    (m, kt), n, e = a.shape, b.shape[1], offs.numel()
+    bm, bn, bk = _WS_TILE
+    big = ROW_BOUND_BIG.value
+
+    def row_bounded(t, block):  # see _row_bounded
+        s = t.stride(0)
+        return _ws_desc(t, [0x7FFF0000, 0x7FFF0000, big, t.shape[1]], [2**34 - s, s, s, 1], [1, 1, *block])
+
+    a_desc = row_bounded(a.mT, [bk, bm // 2])
+    b_desc = row_bounded(b, [bk, bn])
+    c_desc = _ws_desc(out, list(out.shape), [out.stride(0), out.stride(1), 1], [1, bm // 2, bn])
+    programs = min(config.num_sms(a.device), e * triton.cdiv(m, bm) * triton.cdiv(n, bn))
+    hk._grouped_mm_ws_ragged_k_kernel[(programs,)](
+        a_desc, b_desc, c_desc,
+        colsum if colsum is not None else out, colsum.stride(0) if colsum is not None else 0,
+        offs, m, n, kt, e,
+        NUM_SMS=programs, GROUP_M=_WS_GROUP_M, STAGES=_WS_STAGES, HAS_COLSUM=colsum is not None,
+        num_warps=4, maxnreg=168,
+    )
 
 
 def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None, *, ones_row: bool = False):
@@ -265,6 +309,10 @@ def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None, *, ones_row:
         and _tma_ok(b, 1)
         and _tma_ok(out, 2)
     )
+    if (cfg is None and tma and config.use_warp_specialized(a.device) and a.dtype == torch.bfloat16
+            and out.dtype == torch.bfloat16):
+        _ws_ragged_k(a, b, offs, out, colsum)
+        return result
     cfg = cfg or config.grouped_mm_config(
         m, n, kt // e, e, ragged_k=True, tma=tma, out_bytes=out.element_size(), device=a.device
     )

@@ -1,8 +1,12 @@
-"""Warp-specialized grouped GEMM for Hopper (Gluon), rows ragged, with fused epilogues.
+"""Warp-specialized grouped GEMMs for Hopper (Gluon): rows ragged with fused epilogues, and K ragged.
 
-``c[rows_g] = epilogue(a[rows_g] @ b[g])`` for the groups that ``offs`` splits the rows of ``a`` into:
-the contract of ``_grouped_mm_ragged_m_kernel`` (``grouped_gemm.py``) and of the up-projection's
-SwiGLU kernel (``experts.py``), on Hopper's warp-specialized schedule:
+* ``_grouped_mm_ws_kernel``: ``c[rows_g] = epilogue(a[rows_g] @ b[g])`` for the groups that ``offs``
+  splits the rows of ``a`` into: the contract of ``_grouped_mm_ragged_m_kernel`` (``grouped_gemm.py``)
+  and of the up-projection's SwiGLU kernel (``experts.py``).
+* ``_grouped_mm_ws_ragged_k_kernel``: ``c[g] = a[:, ks_g:ke_g] @ b[ks_g:ke_g]`` (the weight gradients),
+  the contract of ``_grouped_mm_ragged_k_kernel``, including its ones row for a bias gradient.
+
+Both run Hopper's warp-specialized schedule:
 
 * a TMA warp (the loader) streams A and B tiles into a ring of shared-memory stages, running ahead
   of the math across tile boundaries;
@@ -29,10 +33,14 @@ was measured too and left out: its aux reads sit between main loops, which made 
 Interleaved pairs are read as int32 words (gate in the low half, linear in the high half), so that
 the SwiGLU never needs a stride-2 access or a layout shuffle.
 
-Tiles: ``_tile_table_kernel`` turns ``offs`` into a table of row tiles on the device (group, first
-row, group end) and writes zeros to the rows past ``offs[-1]``; every partition walks the tiles
-persistently, GROUP_M row tiles at a time, with no host sync. Rows of a tile past its group's end
-are read but never stored.
+Tiles (rows ragged): ``_tile_table_kernel`` turns ``offs`` into a table of row tiles on the device
+(group, group start, group end, the group's first row tile) and writes zeros to the rows past
+``offs[-1]``; every partition walks the tiles persistently with no host sync, group by group and
+GROUP_M row tiles at a time inside a group, so that a band of row tiles never spans two groups'
+weights in L2. Rows of a tile past its group's end are read but never stored. Each partition loads
+the next tile's coordinates (and the consumers its bias) during the current tile, off the critical
+path. (K ragged): every group owns the same output tiles; TMA loads through row-bounded
+descriptors read the rows past the group's end as zeros.
 """
 
 import triton
@@ -49,7 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .epilogue import swiglu_apply
-from .grouped_gemm import _group_table, _swizzle
+from .grouped_gemm import ROW_BOUND_BIG, _group_table, _swizzle
 
 PLAIN = tl.constexpr(0)
 SWIGLU = tl.constexpr(1)
@@ -64,8 +72,8 @@ def _tile_table_kernel(
     offs_ptr, table_ptr, c_ptr, c2_ptr, M, N, N2, E, stride_cm, stride_c2m, max_tiles,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_Z: tl.constexpr,
 ):
-    """table[0] = number of row tiles; table[3 + 3i : 6 + 3i] = (group, first row, group end row) of
-    row tile i, the ends clamped to [0, M] as in ``_group_table``.
+    """table[0] = number of row tiles; table[4 + 4i : 8 + 4i] = (group, group start row, group end
+    row, the group's first row tile) for row tile i, the rows clamped to [0, M] as in ``_group_table``.
 
     Also zero-fills the rows [offs[-1], M) of c (M, N) and c2 (M, N2), the rows of no group."""
     pid = tl.program_id(0)
@@ -82,10 +90,13 @@ def _tile_table_kernel(
     first_tile = tl.sum(tl.where(hit, tiles_end - tiles, 0), 1)
     start = tl.sum(tl.where(hit, starts, 0), 1)
     end = tl.sum(tl.where(hit, ends, 0), 1)
-    keep = (i < total) & (i < max_tiles)
-    tl.store(table_ptr + 3 + 3 * i, g, mask=keep)
-    tl.store(table_ptr + 4 + 3 * i, start + (i - first_tile) * BLOCK_M, mask=keep)
-    tl.store(table_ptr + 5 + 3 * i, end, mask=keep)
+    # entries past the last row tile are zeros (group 0, no rows): safe for the partitions to prefetch
+    real = i < total
+    keep = i < max_tiles
+    tl.store(table_ptr + 4 + 4 * i, tl.where(real, g, 0), mask=keep)
+    tl.store(table_ptr + 5 + 4 * i, tl.where(real, start, 0), mask=keep)
+    tl.store(table_ptr + 6 + 4 * i, tl.where(real, end, 0), mask=keep)
+    tl.store(table_ptr + 7 + 4 * i, tl.where(real, first_tile, 0), mask=keep)
     # rows past offs[-1]: zeros, BLOCK_Z rows per program and step
     last = tl.sum(tl.where(e == E, starts, 0), 0)
     for r0 in range(last + pid * BLOCK_Z, M, tl.num_programs(0) * BLOCK_Z):
@@ -106,29 +117,46 @@ def _tile_table_kernel(
 # the warp-specialized GEMM
 # --------------------------------------------------------------------------------------------------
 @gluon.jit
-def _tile_at(t, table, tiles_n, n_rows_tiles, GROUP_M: gl.constexpr):
-    """Tile index -> (group, first row, group end row, pid_n), GROUP_M row tiles at a time."""
-    mt, pid_n = _swizzle(t, n_rows_tiles, tiles_n, GROUP_M)
-    entry = table + 3 + 3 * mt
-    return gl.load(entry), gl.load(entry + 1), gl.load(entry + 2), pid_n
+def _tile_at(t, table, tiles_n, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr):
+    """Tile index -> (group, first row, group end row, pid_n). Tiles go group by group (tiles_n per
+    row tile), GROUP_M row tiles at a time inside a group, so that a band of row tiles never spans
+    two groups' weights in L2."""
+    entry = table + 4 + 4 * (t // tiles_n)  # any row tile of t's group
+    g = gl.load(entry)
+    start = gl.load(entry + 1)
+    end = gl.load(entry + 2)
+    first = gl.load(entry + 3)
+    pid_m, pid_n = _swizzle(t - first * tiles_n, gl.cdiv(end - start, BLOCK_M), tiles_n, GROUP_M)
+    return g, start + pid_m * BLOCK_M, end, pid_n
+
+
+@gluon.jit
+def _bias_row(bias_ptr, stride_bias, g, pid_n, N, BLOCK_N: gl.constexpr, acc_layout: gl.constexpr):
+    """bias[g, pid_n * BLOCK_N :][:BLOCK_N] in the accumulator's column layout (zeros past N)."""
+    cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+    return gl.load(bias_ptr + g.to(gl.int64) * stride_bias + cols, mask=cols < N, other=0.0)
 
 
 @gluon.jit
 def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, table, K, tiles_n,
                     NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                     B_TRANS: gl.constexpr):
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     if B_TRANS:
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
     else:
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[2]
     n_rows_tiles = gl.load(table)
+    total = n_rows_tiles * tiles_n
     k_iters = gl.cdiv(K, BLOCK_K)
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     idx = 0
     phase = 1  # the first pass over the ring finds every stage free
-    for t in range(gl.program_id(0), n_rows_tiles * tiles_n, NUM_SMS):
-        g, row, end, pid_n = _tile_at(t, table, tiles_n, n_rows_tiles, GROUP_M)
+    nxt = _tile_at(gl.minimum(gl.program_id(0), gl.maximum(total - 1, 0)), table, tiles_n, BLOCK_M, GROUP_M)
+    for t in range(gl.program_id(0), total, NUM_SMS):
+        g, row, end, pid_n = nxt
+        nxt = _tile_at(gl.minimum(t + NUM_SMS, gl.maximum(total - 1, 0)), table, tiles_n, BLOCK_M, GROUP_M)
         col = pid_n * BLOCK_N
         for ki in range(k_iters):
             k = ki * BLOCK_K
@@ -198,22 +226,28 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, o
                    EPILOGUE: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr):
     """Consumer warpgroup CONSUMER: rows [CONSUMER * HALF, (CONSUMER + 1) * HALF) of every tile,
     main loop then epilogue."""
-    HALF: gl.constexpr = a_bufs.shape[1] // 2
+    BLOCK_M: gl.constexpr = a_bufs.shape[1]
+    HALF: gl.constexpr = BLOCK_M // 2
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
     BLOCK_N: gl.constexpr = buf.shape[1]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
     n_rows_tiles = gl.load(table)
+    total = n_rows_tiles * tiles_n
     k_iters = gl.cdiv(K, BLOCK_K)
     idx = 0
     phase = 0
-    for t in range(gl.program_id(0), n_rows_tiles * tiles_n, NUM_SMS):
-        g, row, end, pid_n = _tile_at(t, table, tiles_n, n_rows_tiles, GROUP_M)
+    # the next tile's table entry and bias load during this tile's main loop and epilogue, off the
+    # critical path
+    nxt = _tile_at(gl.minimum(gl.program_id(0), gl.maximum(total - 1, 0)), table, tiles_n, BLOCK_M, GROUP_M)
+    if HAS_BIAS:
+        bias = _bias_row(bias_ptr, stride_bias, nxt[0], nxt[3], N, BLOCK_N, acc_layout)
+    for t in range(gl.program_id(0), total, NUM_SMS):
+        g, row, end, pid_n = nxt
+        nxt = _tile_at(gl.minimum(t + NUM_SMS, gl.maximum(total - 1, 0)), table, tiles_n, BLOCK_M, GROUP_M)
         acc = gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout)
         if HAS_BIAS:  # the accumulator starts from the bias: no registers held for it in the epilogue
-            cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-            bias = gl.load(bias_ptr + g.to(gl.int64) * stride_bias + cols, mask=cols < N, other=0.0)
             acc = acc + bias.to(gl.float32)[None, :]
         acc = warpgroup_mma_init(acc)
         for ki in range(k_iters):
@@ -234,6 +268,8 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, o
                 phase ^= 1
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(empty.index(gl.where(idx == 0, STAGES - 1, idx - 1)))
+        if HAS_BIAS:
+            bias = _bias_row(bias_ptr, stride_bias, nxt[0], nxt[3], N, BLOCK_N, acc_layout)
         tma.store_wait(0)  # the previous tile's TMA store has read buf
         buf.store(acc.to(buf.dtype))
         fence_async_shared()
@@ -275,6 +311,150 @@ def _grouped_mm_ws_kernel(
                               1, NUM_SMS, GROUP_M, STAGES, B_TRANS, HAS_BIAS, EPILOGUE, ALPHA, LIMIT, OFFSET)),
             (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, table, K, tiles_n,
                                NUM_SMS, GROUP_M, STAGES, B_TRANS)),
+        ],
+        [4, 1],
+        [232, 40],
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# the warp-specialized ragged-K GEMM (wgrad)
+# --------------------------------------------------------------------------------------------------
+@gluon.jit
+def _k_tile_at(t, offs_ptr, KT, tiles_m, tiles_n, GROUP_M: gl.constexpr):
+    """Tile index -> (group, pid_m, pid_n, k_start, k_end): every group owns tiles_m x tiles_n output
+    tiles, and reduces over its rows [k_start, k_end) of the ragged dim, clamped to [0, KT]."""
+    per_group = tiles_m * tiles_n
+    g = t // per_group
+    pid_m, pid_n = _swizzle(t % per_group, tiles_m, tiles_n, GROUP_M)
+    k_end = gl.minimum(gl.maximum(gl.load(offs_ptr + g), 0), KT)
+    k_start = gl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+    k_start = gl.minimum(gl.maximum(k_start, 0), k_end)
+    return g, pid_m, pid_n, k_start, k_end
+
+
+@gluon.jit
+def _k_load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, KT, total, tiles_m, tiles_n,
+                      NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[2]
+    HALF: gl.constexpr = a_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[3]
+    nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    idx = 0
+    phase = 1  # the first pass over the ring finds every stage free
+    for t in range(gl.program_id(0), total, NUM_SMS):
+        g, pid_m, pid_n, k_start, k_end = _k_tile_at(t, offs_ptr, KT, tiles_m, tiles_n, GROUP_M)
+        row = pid_m * (2 * HALF)
+        col = pid_n * BLOCK_N
+        # row-bounded boxes (grouped_gemm.py's module doc): rows of the ragged dim >= k_end read 0
+        big_k = ROW_BOUND_BIG - k_end
+        for k in range(k_start, k_end, BLOCK_K):
+            mbarrier.wait(empty.index(idx), phase)
+            bar = ready.index(idx)
+            mbarrier.expect(bar, nbytes)
+            tma.async_copy_global_to_shared(a_desc, [ROW_BOUND_BIG, k_end, big_k + k, row], bar,
+                                            a_bufs.index(2 * idx))
+            tma.async_copy_global_to_shared(a_desc, [ROW_BOUND_BIG, k_end, big_k + k, row + HALF], bar,
+                                            a_bufs.index(2 * idx + 1))
+            tma.async_copy_global_to_shared(b_desc, [ROW_BOUND_BIG, k_end, big_k + k, col], bar,
+                                            b_bufs.index(idx))
+            idx += 1
+            if idx == STAGES:
+                idx = 0
+                phase ^= 1
+
+
+@gluon.jit
+def _k_mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, colsum_ptr, stride_colsum, offs_ptr,
+                     M_C, N, KT, total, tiles_m, tiles_n,
+                     CONSUMER: gl.constexpr, NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr,
+                     STAGES: gl.constexpr, HAS_COLSUM: gl.constexpr):
+    """Consumer warpgroup CONSUMER: output rows [CONSUMER * HALF, (CONSUMER + 1) * HALF) of every
+    tile, main loop, then the tile leaves by a TMA store that drops rows >= M_C and columns >= N.
+    With HAS_COLSUM, the row M_C of the product (a's row of ones) goes to colsum[g] in fp32."""
+    BLOCK_K: gl.constexpr = a_bufs.shape[3]
+    HALF: gl.constexpr = a_bufs.shape[4]
+    BLOCK_N: gl.constexpr = b_bufs.shape[4]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    idx = 0
+    phase = 0
+    # the next tile's coordinates load during this tile's main loop, off the critical path
+    nxt = _k_tile_at(gl.program_id(0), offs_ptr, KT, tiles_m, tiles_n, GROUP_M)
+    for t in range(gl.program_id(0), total, NUM_SMS):
+        g, pid_m, pid_n, k_start, k_end = nxt
+        nxt = _k_tile_at(gl.minimum(t + NUM_SMS, total - 1), offs_ptr, KT, tiles_m, tiles_n, GROUP_M)
+        row = pid_m * (2 * HALF) + CONSUMER * HALF
+        col = pid_n * BLOCK_N
+        k_iters = gl.cdiv(k_end - k_start, BLOCK_K)
+        acc = warpgroup_mma_init(gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout))
+        for ki in range(k_iters):
+            mbarrier.wait(ready.index(idx), phase)
+            a = a_bufs.index(2 * idx + CONSUMER).reshape([BLOCK_K, HALF]).permute((1, 0))
+            b = b_bufs.index(idx).reshape([BLOCK_K, BLOCK_N])
+            acc = warpgroup_mma(a, b, acc, is_async=True)
+            warpgroup_mma_wait(1, deps=(acc,))
+            # the MMA before this one is done: free its stage (computed, not carried: see _mma_partition)
+            mbarrier.arrive(empty.index(gl.where(idx == 0, STAGES - 1, idx - 1)), pred=ki > 0)
+            idx += 1
+            if idx == STAGES:
+                idx = 0
+                phase ^= 1
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index(gl.where(idx == 0, STAGES - 1, idx - 1)), pred=k_iters > 0)
+        tma.store_wait(0)  # the previous tile's TMA store has read buf
+        buf.reshape([HALF, BLOCK_N]).store(acc.to(buf.dtype))
+        if HAS_COLSUM:
+            if (M_C >= row) & (M_C < row + HALF):
+                # the threads that hold row M_C store it as it is: no reduction, no second copy of acc
+                rows = row + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
+                cols = col + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+                ptrs = colsum_ptr + g.to(gl.int64) * stride_colsum + (rows * 0)[:, None] + cols[None, :]
+                gl.store(ptrs, acc, mask=(rows[:, None] == M_C) & (cols[None, :] < N))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [g, row, col], buf)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _grouped_mm_ws_ragged_k_kernel(
+    a_desc,  # row-bounded (Kt, M) memory of a = (M, Kt) with unit stride along M, box [1, 1, BK, BM // 2]
+    b_desc,  # row-bounded (Kt, N), box [1, 1, BK, BN]
+    c_desc,  # c (E, M_C, N), box [1, BM // 2, BN]
+    colsum_ptr, stride_colsum,  # (E, N) fp32 when HAS_COLSUM (a's row M_C = M - 1 is ones), else unused
+    offs_ptr, M, N, KT, E,  # M: rows of a (with the ones row when HAS_COLSUM)
+    NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_COLSUM: gl.constexpr,
+):
+    """c[g] = a[:, ks_g:ke_g] @ b[ks_g:ke_g] for the groups that offs splits the Kt dim into, rows of c
+    past M_C = M - HAS_COLSUM dropped; an empty group's tiles come out as zeros."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    buf0 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    buf1 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both consumers read every stage
+    if HAS_COLSUM:
+        M_C = M - 1
+    else:
+        M_C = M
+    tiles_m = gl.cdiv(M, 2 * a_desc.block_type.shape[3])
+    tiles_n = gl.cdiv(N, b_desc.block_type.shape[3])
+    total = E * tiles_m * tiles_n
+
+    gl.warp_specialize(
+        [
+            (_k_mma_partition, (a_bufs, b_bufs, ready, empty, buf0, c_desc, colsum_ptr, stride_colsum, offs_ptr,
+                                M_C, N, KT, total, tiles_m, tiles_n,
+                                0, NUM_SMS, GROUP_M, STAGES, HAS_COLSUM)),
+            (_k_mma_partition, (a_bufs, b_bufs, ready, empty, buf1, c_desc, colsum_ptr, stride_colsum, offs_ptr,
+                                M_C, N, KT, total, tiles_m, tiles_n,
+                                1, NUM_SMS, GROUP_M, STAGES, HAS_COLSUM)),
+            (_k_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, KT, total, tiles_m,
+                                 tiles_n, NUM_SMS, GROUP_M, STAGES)),
         ],
         [4, 1],
         [232, 40],
