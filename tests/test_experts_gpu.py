@@ -6,7 +6,15 @@ import torch
 
 from moekit import GptOssExperts, grouped_mm_downproj, grouped_mm_downproj_ref, grouped_mm_swiglu, grouped_mm_swiglu_ref
 from moekit.bench.baselines import TorchtitanGptOssExperts
-from moekit.experts import _colsum_op, _downproj_bwd_op, _downproj_op, _gathered_wgrad_op, _swiglu_act_op, _swiglu_op
+from moekit.experts import (
+    _colsum_op,
+    _downproj_bwd_op,
+    _downproj_op,
+    _gathered_wgrad_op,
+    _swiglu_act_op,
+    _swiglu_op,
+    _wgrad_colsum_op,
+)
 from moekit.testing import (
     assert_run_within_reference,
     assert_within_baseline,
@@ -42,12 +50,13 @@ def _chain(fns, x, w1, b1, w2, b2, offs, layout):
 
 @pytest.mark.parametrize("layout", ["interleaved", "halves"])
 @pytest.mark.parametrize("x_scale", [1.0, 6.0], ids=["normal", "clamp-heavy"])
-@pytest.mark.parametrize("f", [1000, 1024], ids=["db-down-in-wgrad", "db-down-colsum"])  # F % 128 decides
-def test_forward_backward_against_float64(expert_path, layout, x_scale, f):
+# F % 128 != 0 hands db_down to the dW_down GEMM; D % 128 == 64 hands db_up to the dW_up GEMM (ws path)
+@pytest.mark.parametrize("d, f", [(960, 1000), (1024, 1024)], ids=["bias-grads-in-wgrad", "bias-grads-colsum"])
+def test_forward_backward_against_float64(expert_path, layout, x_scale, d, f):
     counts = routed_counts(2048, 8, 4, skew=3.0).tolist()
     counts[1] = 0
     rows = sum(counts) + 40  # rows past offs[-1]
-    x, w1, b1, w2, b2, offs = _inputs(counts, rows, 1024, f, x_scale=x_scale)
+    x, w1, b1, w2, b2, offs = _inputs(counts, rows, d, f, x_scale=x_scale)
     leaves = [_leaf(t) for t in (x, w1, b1, w2, b2)]
     h, aux, out = _chain((grouped_mm_swiglu, grouped_mm_downproj), *leaves, offs, layout)
     dy = torch.randn_like(out)
@@ -161,6 +170,8 @@ def test_opcheck():
     torch.library.opcheck(_downproj_bwd_op, (dy, w2, offs, aux, True, True, *spec))  # db_down in the wgrad
     torch.library.opcheck(_downproj_bwd_op, (dy, w2, offs, aux, False, True, *spec))  # a column-sum pass
     torch.library.opcheck(_colsum_op, (dy, offs))
+    torch.library.opcheck(_wgrad_colsum_op, (x, dy, offs))  # D = 256: sums from a pass
+    torch.library.opcheck(_wgrad_colsum_op, (x[:, :192], dy, offs))  # D % 128 == 64: from the GEMM (ws)
     from moekit.routing import route_metadata
 
     ids = torch.rand(500, 3, device=DEV).topk(2, -1).indices.to(torch.int32)

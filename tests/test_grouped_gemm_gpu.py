@@ -107,21 +107,24 @@ def test_warp_specialized_kernel(counts, rows, k, n, b_trans, has_bias):
     assert not out[int(sum(counts)) :].any()
 
 
-# (counts over Kt, Kt, M, N, ones_row) and why
+# (counts over Kt, Kt, M, N, column sums) and why
 WS_WGRAD_CASES = [
-    pytest.param([300, 0, 517, 180], 1100, 200, 296, False, id="empty-expert-tails"),  # M, N tails, tail rows
-    pytest.param([1, 2, 3, 70, 5], 90, 136, 264, False, id="tiny-groups"),  # groups shorter than BLOCK_K
-    pytest.param([0, 0, 999, 0], 999, 64, 128, False, id="one-expert"),  # every row in one group
-    pytest.param([300, 0, 517, 180], 1100, 129, 200, True, id="ones-row"),  # ones row alone in a tile; N: no tail
-    pytest.param([768] * 12 + [0, 1500], 10716, 2881, 2880, True, id="gptoss-120b-ones-row"),  # short K, db_down
+    pytest.param([300, 0, 517, 180], 1100, 200, 296, "", id="empty-expert-tails"),  # M, N tails, tail rows
+    pytest.param([1, 2, 3, 70, 5], 90, 136, 264, "", id="tiny-groups"),  # groups shorter than BLOCK_K
+    pytest.param([0, 0, 999, 0], 999, 64, 128, "", id="one-expert"),  # every row in one group
+    pytest.param([300, 0, 517, 180], 1100, 129, 200, "row", id="ones-row"),  # ones row alone in a tile
+    pytest.param([768] * 12 + [0, 1500], 10716, 2881, 2880, "row", id="gptoss-120b-ones-row"),  # db_down
+    pytest.param([300, 0, 517, 180], 1100, 192, 296, "virtual", id="virtual-ones"),  # M % 128 == 64
+    pytest.param([768] * 12 + [0, 1500], 10716, 2880, 5760, "virtual", id="gptoss-120b-virtual-ones"),  # db_up
 ]
 
 
-@pytest.mark.parametrize("counts, kt, m, n, ones_row", WS_WGRAD_CASES)
-def test_warp_specialized_wgrad(monkeypatch, counts, kt, m, n, ones_row):
+@pytest.mark.parametrize("counts, kt, m, n, sums", WS_WGRAD_CASES)
+def test_warp_specialized_wgrad(monkeypatch, counts, kt, m, n, sums):
     """The warp-specialized ragged-K GEMM: a (M, Kt) with unit stride along M (x.mT), b (Kt, N). Rows
-    of Kt past offs[-1] hold NaN and must not leak; an empty group's block is exactly zero; with the
-    ones row, its product row is the per-group column sum of b, in fp32."""
+    of Kt past offs[-1] hold NaN and must not leak; an empty group's block is exactly zero. Column sums
+    of b, in fp32: "row", from a's own last row of ones; "virtual", from a constant row of ones in the
+    empty half of the last row tile."""
     if not config.use_warp_specialized(torch.device(DEV)):
         pytest.skip("needs an sm_90 GPU with Gluon")
     calls = []
@@ -130,17 +133,19 @@ def test_warp_specialized_wgrad(monkeypatch, counts, kt, m, n, ones_row):
     offs = offs_from_counts(counts, device=DEV)
     x = torch.randn(kt, (m + 63) // 64 * 64, device=DEV).to(BF16)[:, :m]  # row stride padded like h's
     dy = torch.randn(kt, n, device=DEV).to(BF16)
-    if ones_row:
+    if sums == "row":
         x[:, -1] = 1.0
     x[int(sum(counts)) :], dy[int(sum(counts)) :] = float("nan"), float("nan")
-    out = _ragged_k(x.mT, dy, offs, BF16, None, ones_row=ones_row)
+    out = _ragged_k(x.mT, dy, offs, BF16, None, ones_row=sums == "row", colsum=sums == "virtual")
     assert calls, "the ragged-K GEMM did not take the warp-specialized kernel"
     ref = _ref(x.mT, dy, offs)
-    if ones_row:
+    if sums:
         out, colsum = out
-        assert colsum.dtype == torch.float32 and not colsum.isnan().any()
-        torch.testing.assert_close(colsum, ref[:, -1].float(), rtol=1e-5, atol=1e-3)
-        ref = ref[:, :-1]
+        want = ref[:, -1] if sums == "row" else grouped_mm_ref(torch.nan_to_num(dy.double()).mT, torch.ones(
+            kt, 1, device=DEV, dtype=torch.float64), offs)[:, :, 0]
+        assert colsum is not None and colsum.dtype == torch.float32 and not colsum.isnan().any()
+        torch.testing.assert_close(colsum, want.float(), rtol=1e-5, atol=1e-3)
+        ref = ref[:, :-1] if sums == "row" else ref
     assert not out.isnan().any()
     assert_close(out, ref, BF16, what="ws wgrad")
     for g, c in enumerate(counts):

@@ -9,8 +9,10 @@ Backward (the fused-only contract): the gradient flows through ``aux``, not ``h`
 dgrad computes dH = dOut @ w_down^T, and one pass turns (aux, dH) into d_aux = dSwiGLU(aux) * dH and a
 recomputed h (``grouped_mm_dswiglu`` says why this is not the GEMM's epilogue); then
 dW_down = h^T @ dOut, dX = d_aux @ w_up^T, dW_up = x^T @ d_aux. The bias gradients are per-expert
-column sums: db_down comes out of the dW_down GEMM through a column of ones appended to h, db_up from
-a pass over d_aux. Only ``aux`` is saved between forward and backward.
+column sums: db_down comes out of the dW_down GEMM through a column of ones appended to h; db_up
+comes out of the dW_up GEMM on Hopper when D % 128 == 64 (a constant row of ones that the
+warp-specialized kernel multiplies in the empty half of its last row tile), else from a pass over
+d_aux. Only ``aux`` is saved between forward and backward.
 
 Reads as: references (``reference.py``) -> kernels (``_kernels/experts.py``) -> launchers
 (``*_fwd`` / ``grouped_mm_dswiglu`` / ``grouped_colsum``) -> custom ops with fakes and autograd ->
@@ -330,6 +332,21 @@ def _(x, token_idx, d_aux, offs):
     return d_aux.new_empty((e, x.shape[1], d_aux.shape[1])), d_aux.new_empty((e, d_aux.shape[1]), dtype=torch.float32)
 
 
+@torch.library.custom_op("moekit::wgrad_with_colsum", mutates_args=())
+def _wgrad_colsum_op(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight and bias gradients of a rows-ragged GEMM with a bias: x (M, K), grad (M, N) ->
+    (dW (E, K, N), db (E, N) fp32, the per-group column sums of grad). The sums come out of the wgrad
+    GEMM where its kernel yields them for free (``_ragged_k(..., colsum=True)``), else from a pass."""
+    dw, db = _ragged_k(x.mT, grad, offs, grad.dtype, None, colsum=True)
+    return dw, db if db is not None else grouped_colsum(grad, offs)
+
+
+@_wgrad_colsum_op.register_fake
+def _(x, grad, offs):
+    e = offs.shape[0]
+    return grad.new_empty((e, x.shape[1], grad.shape[1])), grad.new_empty((e, grad.shape[1]), dtype=torch.float32)
+
+
 @torch.library.custom_op("moekit::grouped_mm_downproj", mutates_args=())
 def _downproj_op(
     h: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, bias: torch.Tensor | None, aux: torch.Tensor | None,
@@ -372,7 +389,11 @@ def _swiglu_backward(ctx, grad_h, grad_aux):
     grad_x = _grouped_mm_op(d_aux, w.mT, offs, None) if need_x else None
     grad_b = None
     if token_idx is None:
-        grad_w = _grouped_mm_op(x.mT, d_aux, offs, None) if need_w else None
+        if need_w and need_b:
+            grad_w, grad_b = _wgrad_colsum_op(x, d_aux, offs)
+            grad_b = grad_b.to(bias.dtype)
+        else:
+            grad_w = _grouped_mm_op(x.mT, d_aux, offs, None) if need_w else None
     else:  # permute-free: sum each token's K rows (no atomics)
         grad_x = _gather_bwd_op(grad_x, row_of) if need_x else None
         # dW_up re-gathers x's token rows into a transient copy: a gathered (pointer-loaded) A^T in the

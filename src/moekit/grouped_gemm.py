@@ -10,6 +10,8 @@ length of the 2D x 2D form.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -186,6 +188,7 @@ _WS_GROUP_M = 8  # row tiles walked together, for L2 reuse
 _WS_MIN_ROWS = 128  # average rows per group below which the rows-ragged GEMM keeps Triton's smaller tiles
 
 WS_PLAIN, WS_SWIGLU = 0, 1  # the epilogues of _kernels/hopper_gemm.py
+WS_COLSUM_NONE, WS_COLSUM_ROW, WS_COLSUM_VIRTUAL = 0, 1, 2  # its ragged-K kernel's column-sum modes
 
 
 def _ws_rows_ragged(a, b, out, b_trans: bool) -> bool:
@@ -258,10 +261,20 @@ def ws_gemm(a, b, offs, c, *, epilogue: int = WS_PLAIN, bias=None, out2=None, sp
     return c
 
 
-def _ws_ragged_k(a, b, offs, out, colsum):
-    """2D x 2D on the warp-specialized Hopper kernel: out (E, M - ones, N) = a (M, Kt) @ b (Kt, N) per
-    group, a with unit stride along M, b along N; with ``colsum`` (E, N) fp32, a's last row is ones and
-    its output row goes there. The caller checked the layouts (``_ragged_k``)."""
+@functools.cache
+def _ones_tile(device: torch.device, rows: int, cols: int) -> torch.Tensor:
+    """A (rows, cols) bf16 tile whose first column is ones: the A operand of a virtual ones row."""
+    t = torch.zeros(rows, cols, dtype=torch.bfloat16, device=device)
+    t[:, 0] = 1.0
+    return t
+
+
+def _ws_ragged_k(a, b, offs, out, colsum, mode: int):
+    """2D x 2D on the warp-specialized Hopper kernel: out (E, M_C, N) = a (M, Kt) @ b (Kt, N) per group,
+    a with unit stride along M, b along N. ``mode`` (WS_COLSUM_*): none; ``ROW``: a's last row is ones
+    (M_C = M - 1) and its product row goes to ``colsum`` (E, N) fp32; ``VIRTUAL``: M % 128 == 64, and
+    the kernel multiplies a constant row of ones in the empty half of the last row tile into
+    ``colsum``. The caller checked the layouts (``_ragged_k``)."""
     from ._kernels import hopper_gemm as hk  # Gluon: imported only where it runs
 
     (m, kt), n, e = a.shape, b.shape[1], offs.numel()
@@ -273,31 +286,38 @@ def _ws_ragged_k(a, b, offs, out, colsum):
         return _ws_desc(t, [0x7FFF0000, 0x7FFF0000, big, t.shape[1]], [2**34 - s, s, s, 1], [1, 1, *block])
 
     a_desc = row_bounded(a.mT, [bk, bm // 2])
+    ones = _ones_tile(a.device, bk, bm // 2) if mode == WS_COLSUM_VIRTUAL else None
+    ones_desc = _ws_desc(ones, [1, 1, bk, bm // 2], [bk * bm // 2, bk * bm // 2, bm // 2, 1],
+                         [1, 1, bk, bm // 2]) if ones is not None else a_desc
     b_desc = row_bounded(b, [bk, bn])
     c_desc = _ws_desc(out, list(out.shape), [out.stride(0), out.stride(1), 1], [1, bm // 2, bn])
     programs = min(config.num_sms(a.device), e * triton.cdiv(m, bm) * triton.cdiv(n, bn))
     hk._grouped_mm_ws_ragged_k_kernel[(programs,)](
-        a_desc, b_desc, c_desc,
+        a_desc, ones_desc, b_desc, c_desc,
         colsum if colsum is not None else out, colsum.stride(0) if colsum is not None else 0,
         offs, m, n, kt, e,
-        NUM_SMS=programs, GROUP_M=_WS_GROUP_M, STAGES=_WS_STAGES, HAS_COLSUM=colsum is not None,
+        NUM_SMS=programs, GROUP_M=_WS_GROUP_M, STAGES=_WS_STAGES, COLSUM=mode,
         num_warps=4, maxnreg=168,
     )
 
 
-def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None, *, ones_row: bool = False):
+def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None, *, ones_row: bool = False,
+              colsum: bool = False):
     """2D x 2D: a (M, Kt), b (Kt, N), offs over Kt -> (E, M, N); empty groups are zero.
 
     ``ones_row``: a's last row holds ones; returns ``(out (E, M - 1, N), colsum (E, N) fp32)``, the
-    product without that row and the per-group column sums of b that it yields."""
+    product without that row and the per-group column sums of b that it yields.
+    ``colsum``: returns ``(out (E, M, N), colsum (E, N) fp32 or None)``: b's per-group column sums
+    where the warp-specialized kernel yields them for free (M % 128 == 64, so that a row of ones fits
+    in the empty half of the last row tile), else None, for the caller to sum another way."""
     (m, kt), n, e = a.shape, b.shape[1], offs.numel()
     out = config.empty((e, m - ones_row, n), dtype=out_dtype, device=a.device)
-    colsum = config.empty((e, n), dtype=torch.float32, device=a.device) if ones_row else None
-    result = (out, colsum) if ones_row else out
+    sums = config.empty((e, n), dtype=torch.float32, device=a.device) if ones_row or colsum else None
+    result = (out, sums) if ones_row or colsum else out
     if m == 0 or n == 0:
-        return result
+        return (out, None) if colsum else result
     if kt == 0:
-        for t in (out, colsum) if ones_row else (out,):
+        for t in (out, sums) if sums is not None else (out,):
             t.zero_()
         return result
     # TMA bounds the ragged reduction dim only on a memory-row axis: a's unit stride must run along
@@ -311,8 +331,12 @@ def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None, *, ones_row:
     )
     if (cfg is None and tma and config.use_warp_specialized(a.device) and a.dtype == torch.bfloat16
             and out.dtype == torch.bfloat16):
-        _ws_ragged_k(a, b, offs, out, colsum)
-        return result
+        virtual = colsum and m % _WS_TILE[0] == _WS_TILE[0] // 2
+        mode = WS_COLSUM_ROW if ones_row else WS_COLSUM_VIRTUAL if virtual else WS_COLSUM_NONE
+        _ws_ragged_k(a, b, offs, out, sums, mode)
+        return (out, sums if virtual else None) if colsum else result
+    if colsum:
+        result = (out, None)
     cfg = cfg or config.grouped_mm_config(
         m, n, kt // e, e, ragged_k=True, tma=tma, out_bytes=out.element_size(), device=a.device
     )
@@ -326,11 +350,11 @@ def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None, *, ones_row:
         a_arg, b_arg, c_arg = a, b, out
     programs = min(config.num_sms(a.device) * cfg.programs_per_sm, e * triton.cdiv(m, bm) * triton.cdiv(n, bn))
     _grouped_mm_ragged_k_kernel[(programs,)](
-        a_arg, b_arg, c_arg, offs, colsum,
+        a_arg, b_arg, c_arg, offs, sums if ones_row else None,
         m, n, kt, e,
         a.stride(0), a.stride(1),
         b.stride(0), b.stride(1),
-        out.stride(0), out.stride(1), out.stride(2), colsum.stride(0) if ones_row else 0,
+        out.stride(0), out.stride(1), out.stride(2), sums.stride(0) if ones_row else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
         USE_TMA=tma, DOT_F32=config.is_interpreting(), FLATTEN=cfg.flatten, SPLIT_STORE=cfg.split_store,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -61,6 +61,9 @@ from .grouped_gemm import ROW_BOUND_BIG, _group_table, _swizzle
 
 PLAIN = tl.constexpr(0)
 SWIGLU = tl.constexpr(1)
+COLSUM_NONE = tl.constexpr(0)  # the column-sum modes of the ragged-K kernel
+COLSUM_ROW = tl.constexpr(1)
+COLSUM_VIRTUAL = tl.constexpr(2)
 EPI_ROWS = tl.constexpr(16)  # rows per step of the epilogue
 
 
@@ -334,8 +337,9 @@ def _k_tile_at(t, offs_ptr, KT, tiles_m, tiles_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _k_load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, KT, total, tiles_m, tiles_n,
-                      NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+def _k_load_partition(a_desc, ones_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, KT, total, tiles_m,
+                      tiles_n, NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                      COLSUM: gl.constexpr):
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[2]
     HALF: gl.constexpr = a_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[3]
@@ -348,14 +352,18 @@ def _k_load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, KT
         col = pid_n * BLOCK_N
         # row-bounded boxes (grouped_gemm.py's module doc): rows of the ragged dim >= k_end read 0
         big_k = ROW_BOUND_BIG - k_end
+        ones_tile = (COLSUM == COLSUM_VIRTUAL) & (pid_m == tiles_m - 1)
         for k in range(k_start, k_end, BLOCK_K):
             mbarrier.wait(empty.index(idx), phase)
             bar = ready.index(idx)
             mbarrier.expect(bar, nbytes)
             tma.async_copy_global_to_shared(a_desc, [ROW_BOUND_BIG, k_end, big_k + k, row], bar,
                                             a_bufs.index(2 * idx))
-            tma.async_copy_global_to_shared(a_desc, [ROW_BOUND_BIG, k_end, big_k + k, row + HALF], bar,
-                                            a_bufs.index(2 * idx + 1))
+            if ones_tile:  # the second half of the last row tile holds no rows of a: a row of ones
+                tma.async_copy_global_to_shared(ones_desc, [0, 0, 0, 0], bar, a_bufs.index(2 * idx + 1))
+            else:
+                tma.async_copy_global_to_shared(a_desc, [ROW_BOUND_BIG, k_end, big_k + k, row + HALF], bar,
+                                                a_bufs.index(2 * idx + 1))
             tma.async_copy_global_to_shared(b_desc, [ROW_BOUND_BIG, k_end, big_k + k, col], bar,
                                             b_bufs.index(idx))
             idx += 1
@@ -368,10 +376,10 @@ def _k_load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, KT
 def _k_mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, colsum_ptr, stride_colsum, offs_ptr,
                      M_C, N, KT, total, tiles_m, tiles_n,
                      CONSUMER: gl.constexpr, NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr,
-                     STAGES: gl.constexpr, HAS_COLSUM: gl.constexpr):
+                     STAGES: gl.constexpr, COLSUM: gl.constexpr):
     """Consumer warpgroup CONSUMER: output rows [CONSUMER * HALF, (CONSUMER + 1) * HALF) of every
     tile, main loop, then the tile leaves by a TMA store that drops rows >= M_C and columns >= N.
-    With HAS_COLSUM, the row M_C of the product (a's row of ones) goes to colsum[g] in fp32."""
+    With a COLSUM, the row M_C of the product (a row of ones) goes to colsum[g] in fp32."""
     BLOCK_K: gl.constexpr = a_bufs.shape[3]
     HALF: gl.constexpr = a_bufs.shape[4]
     BLOCK_N: gl.constexpr = b_bufs.shape[4]
@@ -405,7 +413,7 @@ def _k_mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, colsum_ptr, stri
         mbarrier.arrive(empty.index(gl.where(idx == 0, STAGES - 1, idx - 1)), pred=k_iters > 0)
         tma.store_wait(0)  # the previous tile's TMA store has read buf
         buf.reshape([HALF, BLOCK_N]).store(acc.to(buf.dtype))
-        if HAS_COLSUM:
+        if COLSUM != COLSUM_NONE:
             if (M_C >= row) & (M_C < row + HALF):
                 # the threads that hold row M_C store it as it is: no reduction, no second copy of acc
                 rows = row + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
@@ -420,14 +428,16 @@ def _k_mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, colsum_ptr, stri
 @gluon.jit
 def _grouped_mm_ws_ragged_k_kernel(
     a_desc,  # row-bounded (Kt, M) memory of a = (M, Kt) with unit stride along M, box [1, 1, BK, BM // 2]
+    ones_desc,  # COLSUM_VIRTUAL: a (1, 1, BK, BM // 2) tile whose column 0 is ones (else a_desc again)
     b_desc,  # row-bounded (Kt, N), box [1, 1, BK, BN]
     c_desc,  # c (E, M_C, N), box [1, BM // 2, BN]
-    colsum_ptr, stride_colsum,  # (E, N) fp32 when HAS_COLSUM (a's row M_C = M - 1 is ones), else unused
-    offs_ptr, M, N, KT, E,  # M: rows of a (with the ones row when HAS_COLSUM)
-    NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_COLSUM: gl.constexpr,
+    colsum_ptr, stride_colsum,  # (E, N) fp32: the per-group column sums of b (COLSUM), else unused
+    offs_ptr, M, N, KT, E,  # M: rows of a (with its ones row for COLSUM_ROW)
+    NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    COLSUM: gl.constexpr,  # COLSUM_NONE; COLSUM_ROW: a's last row is ones; COLSUM_VIRTUAL: M % BM == BM / 2
 ):
     """c[g] = a[:, ks_g:ke_g] @ b[ks_g:ke_g] for the groups that offs splits the Kt dim into, rows of c
-    past M_C = M - HAS_COLSUM dropped; an empty group's tiles come out as zeros."""
+    past M_C dropped (M - 1 for COLSUM_ROW, else M); an empty group's tiles come out as zeros."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     buf0 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
@@ -437,11 +447,14 @@ def _grouped_mm_ws_ragged_k_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers read every stage
-    if HAS_COLSUM:
+    if COLSUM == COLSUM_ROW:
         M_C = M - 1
     else:
         M_C = M
-    tiles_m = gl.cdiv(M, 2 * a_desc.block_type.shape[3])
+    if COLSUM == COLSUM_VIRTUAL:  # row M of the product: a row of ones in an empty tile half
+        tiles_m = gl.cdiv(M + 1, 2 * a_desc.block_type.shape[3])
+    else:
+        tiles_m = gl.cdiv(M, 2 * a_desc.block_type.shape[3])
     tiles_n = gl.cdiv(N, b_desc.block_type.shape[3])
     total = E * tiles_m * tiles_n
 
@@ -449,12 +462,12 @@ def _grouped_mm_ws_ragged_k_kernel(
         [
             (_k_mma_partition, (a_bufs, b_bufs, ready, empty, buf0, c_desc, colsum_ptr, stride_colsum, offs_ptr,
                                 M_C, N, KT, total, tiles_m, tiles_n,
-                                0, NUM_SMS, GROUP_M, STAGES, HAS_COLSUM)),
+                                0, NUM_SMS, GROUP_M, STAGES, COLSUM)),
             (_k_mma_partition, (a_bufs, b_bufs, ready, empty, buf1, c_desc, colsum_ptr, stride_colsum, offs_ptr,
                                 M_C, N, KT, total, tiles_m, tiles_n,
-                                1, NUM_SMS, GROUP_M, STAGES, HAS_COLSUM)),
-            (_k_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, KT, total, tiles_m,
-                                 tiles_n, NUM_SMS, GROUP_M, STAGES)),
+                                1, NUM_SMS, GROUP_M, STAGES, COLSUM)),
+            (_k_load_partition, (a_desc, ones_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, KT, total,
+                                 tiles_m, tiles_n, NUM_SMS, GROUP_M, STAGES, COLSUM)),
         ],
         [4, 1],
         [232, 40],
