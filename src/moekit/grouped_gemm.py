@@ -485,7 +485,9 @@ def grouped_mm(
     non-decreasing and in bounds, at the cost of a device sync.
 
     Runs Triton kernels on CUDA (TMA + wgmma on Hopper) and under ``TRITON_INTERPRET=1``; otherwise
-    the pure-PyTorch ``grouped_mm_ref``.
+    the pure-PyTorch ``grouped_mm_ref``. On sm_90, bf16 problems with TMA-ready layouts take the
+    warp-specialized Gluon kernels instead (the rows-ragged form from 128 rows per group on average,
+    with K-major weights or K <= N); ``MOEKIT_NO_WS=1`` turns them off.
     """
     form = _check_inputs(a, b, offs, out_dtype)
     if form == "3d3d":
