@@ -8,27 +8,14 @@ come from ``python -m moekit bench``.
     python benchmarks/probe_block_ws.py [shape]
 """
 
-import os
 import sys
 
 import torch
+from probe_ws import _toggled  # (benchmarks/ is on sys.path when run as a script)
 from torch.profiler import ProfilerActivity, profile
 
 from moekit.bench import SHAPES, environment, interleaved_ms
 from moekit.layers import MoE
-
-
-def _toggled(fn, ws: bool):
-    def run():
-        if ws:
-            os.environ.pop("MOEKIT_NO_WS", None)
-        else:
-            os.environ["MOEKIT_NO_WS"] = "1"
-        try:
-            return fn()
-        finally:
-            os.environ.pop("MOEKIT_NO_WS", None)
-    return run
 
 
 def main(name: str):
