@@ -125,11 +125,14 @@ def _tma_ok(t: torch.Tensor, unit_dim: int) -> bool:
     return all((t.stride(d) * item) % _ALIGN == 0 for d in range(t.dim()) if d != unit_dim % t.dim())
 
 
-def _row_bounded(t: torch.Tensor, block: list[int]):
-    """Descriptor over a 2-D row-major ``t`` whose row bound is set per access (see the kernels' doc)."""
+def _row_bounded(t: torch.Tensor, block: list[int], make=None):
+    """Descriptor over a 2-D row-major ``t`` whose row bound is set per access (see the kernels' doc).
+    ``make(t, shape, strides, block)`` builds it: Triton's ``TensorDescriptor`` by default, or
+    ``_ws_desc`` for the Gluon kernels."""
     s = t.stride(0)
     big = ROW_BOUND_BIG.value
-    return TensorDescriptor(t, [0x7FFF0000, 0x7FFF0000, big, t.shape[1]], [2**34 - s, s, s, 1], [1, 1, *block])
+    make = make or TensorDescriptor
+    return make(t, [0x7FFF0000, 0x7FFF0000, big, t.shape[1]], [2**34 - s, s, s, 1], [1, 1, *block])
 
 
 def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None, bias=None):
@@ -233,11 +236,10 @@ def ws_gemm(a, b, offs, c, *, epilogue: int = WS_PLAIN, bias=None, out2=None, sp
     (m, k), (e, _, n) = a.shape, b.shape
     bm, bn, bk = _WS_TILE
     b_trans = b.stride(2) != 1
-    desc = _ws_desc
-    a_desc = desc(a, [m, k], [a.stride(0), 1], [bm, bk])
-    b_desc = (desc(b, [e, n, k], [b.stride(0), b.stride(2), 1], [1, bn, bk]) if b_trans
-              else desc(b, [e, k, n], [b.stride(0), b.stride(1), 1], [1, bk, bn]))
-    c_desc = desc(c, [m, c.shape[1]], [c.stride(0), 1], [bm // 2, bn])
+    a_desc = _ws_desc(a, [m, k], [a.stride(0), 1], [bm, bk])
+    b_desc = (_ws_desc(b, [e, n, k], [b.stride(0), b.stride(2), 1], [1, bn, bk]) if b_trans
+              else _ws_desc(b, [e, k, n], [b.stride(0), b.stride(1), 1], [1, bk, bn]))
+    c_desc = _ws_desc(c, [m, c.shape[1]], [c.stride(0), 1], [bm // 2, bn])
     out2 = c if out2 is None else out2
     max_row_tiles = triton.cdiv(m, bm) + e
     table = torch.empty(4 * (max_row_tiles + 1), dtype=torch.int32, device=a.device)
@@ -279,17 +281,11 @@ def _ws_ragged_k(a, b, offs, out, colsum, mode: int):
 
     (m, kt), n, e = a.shape, b.shape[1], offs.numel()
     bm, bn, bk = _WS_TILE
-    big = ROW_BOUND_BIG.value
-
-    def row_bounded(t, block):  # see _row_bounded
-        s = t.stride(0)
-        return _ws_desc(t, [0x7FFF0000, 0x7FFF0000, big, t.shape[1]], [2**34 - s, s, s, 1], [1, 1, *block])
-
-    a_desc = row_bounded(a.mT, [bk, bm // 2])
+    a_desc = _row_bounded(a.mT, [bk, bm // 2], _ws_desc)
     ones = _ones_tile(a.device, bk, bm // 2) if mode == WS_COLSUM_VIRTUAL else None
     ones_desc = _ws_desc(ones, [1, 1, bk, bm // 2], [bk * bm // 2, bk * bm // 2, bm // 2, 1],
                          [1, 1, bk, bm // 2]) if ones is not None else a_desc
-    b_desc = row_bounded(b, [bk, bn])
+    b_desc = _row_bounded(b, [bk, bn], _ws_desc)
     c_desc = _ws_desc(out, list(out.shape), [out.stride(0), out.stride(1), 1], [1, bm // 2, bn])
     programs = min(config.num_sms(a.device), e * triton.cdiv(m, bm) * triton.cdiv(n, bn))
     hk._grouped_mm_ws_ragged_k_kernel[(programs,)](
@@ -312,14 +308,15 @@ def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None, *, ones_row:
     in the empty half of the last row tile), else None, for the caller to sum another way."""
     (m, kt), n, e = a.shape, b.shape[1], offs.numel()
     out = config.empty((e, m - ones_row, n), dtype=out_dtype, device=a.device)
-    sums = config.empty((e, n), dtype=torch.float32, device=a.device) if ones_row or colsum else None
-    result = (out, sums) if ones_row or colsum else out
-    if m == 0 or n == 0:
-        return (out, None) if colsum else result
-    if kt == 0:
-        for t in (out, sums) if sums is not None else (out,):
+    sums = config.empty((e, n), dtype=torch.float32, device=a.device) if ones_row else None
+
+    def result():
+        return (out, sums) if ones_row or colsum else out
+
+    if m == 0 or n == 0 or kt == 0:
+        for t in (out, sums) if ones_row else (out,):
             t.zero_()
-        return result
+        return result()
     # TMA bounds the ragged reduction dim only on a memory-row axis: a's unit stride must run along
     # M and b's along N (the layout autograd hands over: x.mT and dy). Otherwise the pointer path.
     tma = (
@@ -331,12 +328,12 @@ def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None, *, ones_row:
     )
     if (cfg is None and tma and config.use_warp_specialized(a.device) and a.dtype == torch.bfloat16
             and out.dtype == torch.bfloat16):
-        virtual = colsum and m % _WS_TILE[0] == _WS_TILE[0] // 2
-        mode = WS_COLSUM_ROW if ones_row else WS_COLSUM_VIRTUAL if virtual else WS_COLSUM_NONE
+        mode = WS_COLSUM_ROW if ones_row else WS_COLSUM_NONE
+        if colsum and m % _WS_TILE[0] == _WS_TILE[0] // 2:
+            mode = WS_COLSUM_VIRTUAL
+            sums = config.empty((e, n), dtype=torch.float32, device=a.device)
         _ws_ragged_k(a, b, offs, out, sums, mode)
-        return (out, sums if virtual else None) if colsum else result
-    if colsum:
-        result = (out, None)
+        return result()
     cfg = cfg or config.grouped_mm_config(
         m, n, kt // e, e, ragged_k=True, tma=tma, out_bytes=out.element_size(), device=a.device
     )
@@ -350,16 +347,16 @@ def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None, *, ones_row:
         a_arg, b_arg, c_arg = a, b, out
     programs = min(config.num_sms(a.device) * cfg.programs_per_sm, e * triton.cdiv(m, bm) * triton.cdiv(n, bn))
     _grouped_mm_ragged_k_kernel[(programs,)](
-        a_arg, b_arg, c_arg, offs, sums if ones_row else None,
+        a_arg, b_arg, c_arg, offs, sums,
         m, n, kt, e,
         a.stride(0), a.stride(1),
         b.stride(0), b.stride(1),
-        out.stride(0), out.stride(1), out.stride(2), sums.stride(0) if ones_row else 0,
+        out.stride(0), out.stride(1), out.stride(2), sums.stride(0) if sums is not None else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
         USE_TMA=tma, DOT_F32=config.is_interpreting(), FLATTEN=cfg.flatten, SPLIT_STORE=cfg.split_store,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return result
+    return result()
 
 
 def grouped_mm_fwd(a, b, offs, out_dtype=None, cfg: config.TileConfig | None = None):

@@ -178,6 +178,31 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, table, K, tile
 
 
 @gluon.jit
+def _ring_mma(a, b, acc, ready, empty, idx, phase, ki, STAGES: gl.constexpr):
+    """One consumer step over the ring: wait for stage idx, issue its wgmma (a, b are views of that
+    stage), and free the stage of the MMA before it once that one is done. Returns (acc, idx, phase)."""
+    mbarrier.wait(ready.index(idx), phase)
+    acc = warpgroup_mma(a, b, acc, is_async=True)
+    warpgroup_mma_wait(1, deps=(acc,))
+    # the stage to free is computed, not carried: Triton 3.6 hoisted a loop-carried `prev = idx`
+    # out of the K loop as if it were invariant
+    mbarrier.arrive(empty.index(gl.where(idx == 0, STAGES - 1, idx - 1)), pred=ki > 0)
+    idx += 1
+    if idx == STAGES:
+        idx = 0
+        phase ^= 1
+    return acc, idx, phase
+
+
+@gluon.jit
+def _ring_drain(acc, empty, idx, k_iters, STAGES: gl.constexpr):
+    """After a tile's K loop: wait for its last wgmma and free that stage (none if k_iters == 0)."""
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(empty.index(gl.where(idx == 0, STAGES - 1, idx - 1)), pred=k_iters > 0)
+    return acc
+
+
+@gluon.jit
 def _unpack_pairs(w):
     """int32 words of bf16 pairs -> (low, high) halves as fp32, exactly."""
     return (w << 16).to(gl.float32, bitcast=True), (w & -65536).to(gl.float32, bitcast=True)
@@ -254,23 +279,13 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, o
             acc = acc + bias.to(gl.float32)[None, :]
         acc = warpgroup_mma_init(acc)
         for ki in range(k_iters):
-            mbarrier.wait(ready.index(idx), phase)
             if B_TRANS:
                 b = b_bufs.index(idx).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
             else:
                 b = b_bufs.index(idx).reshape([BLOCK_K, BLOCK_N])
             a = a_bufs.index(idx).slice(CONSUMER * HALF, HALF, dim=0)
-            acc = warpgroup_mma(a, b, acc, is_async=True)
-            warpgroup_mma_wait(1, deps=(acc,))
-            # the MMA before this one is done: free its stage. (Computed, not carried: Triton 3.6
-            # hoisted a loop-carried `prev = idx` out of this loop as if it were invariant.)
-            mbarrier.arrive(empty.index(gl.where(idx == 0, STAGES - 1, idx - 1)), pred=ki > 0)
-            idx += 1
-            if idx == STAGES:
-                idx = 0
-                phase ^= 1
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(empty.index(gl.where(idx == 0, STAGES - 1, idx - 1)))
+            acc, idx, phase = _ring_mma(a, b, acc, ready, empty, idx, phase, ki, STAGES)
+        acc = _ring_drain(acc, empty, idx, k_iters, STAGES)
         if HAS_BIAS:
             bias = _bias_row(bias_ptr, stride_bias, nxt[0], nxt[3], N, BLOCK_N, acc_layout)
         tma.store_wait(0)  # the previous tile's TMA store has read buf
@@ -398,19 +413,10 @@ def _k_mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, colsum_ptr, stri
         k_iters = gl.cdiv(k_end - k_start, BLOCK_K)
         acc = warpgroup_mma_init(gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout))
         for ki in range(k_iters):
-            mbarrier.wait(ready.index(idx), phase)
             a = a_bufs.index(2 * idx + CONSUMER).reshape([BLOCK_K, HALF]).permute((1, 0))
             b = b_bufs.index(idx).reshape([BLOCK_K, BLOCK_N])
-            acc = warpgroup_mma(a, b, acc, is_async=True)
-            warpgroup_mma_wait(1, deps=(acc,))
-            # the MMA before this one is done: free its stage (computed, not carried: see _mma_partition)
-            mbarrier.arrive(empty.index(gl.where(idx == 0, STAGES - 1, idx - 1)), pred=ki > 0)
-            idx += 1
-            if idx == STAGES:
-                idx = 0
-                phase ^= 1
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(empty.index(gl.where(idx == 0, STAGES - 1, idx - 1)), pred=k_iters > 0)
+            acc, idx, phase = _ring_mma(a, b, acc, ready, empty, idx, phase, ki, STAGES)
+        acc = _ring_drain(acc, empty, idx, k_iters, STAGES)
         tma.store_wait(0)  # the previous tile's TMA store has read buf
         buf.reshape([HALF, BLOCK_N]).store(acc.to(buf.dtype))
         if COLSUM != COLSUM_NONE:
