@@ -178,6 +178,23 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, table, K, tile
 
 
 @gluon.jit
+def _shared_state(a_desc, b_desc, c_desc, A_PER_STAGE: gl.constexpr, STAGES: gl.constexpr):
+    """Shared memory of both kernels: the ring (A_PER_STAGE A boxes and one B box per stage), one
+    epilogue buffer per consumer, and the ready / empty barriers of each stage."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [A_PER_STAGE * STAGES] + a_desc.block_type.shape,
+                                       a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    buf0 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    buf1 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both consumers read every stage
+    return a_bufs, b_bufs, buf0, buf1, ready, empty
+
+
+@gluon.jit
 def _ring_mma(a, b, acc, ready, empty, idx, phase, ki, STAGES: gl.constexpr):
     """One consumer step over the ring: wait for stage idx, issue its wgmma (a, b are views of that
     stage), and free the stage of the MMA before it once that one is done. Returns (acc, idx, phase)."""
@@ -307,15 +324,7 @@ def _grouped_mm_ws_kernel(
     HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr,
     ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr,
 ):
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    buf0 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
-    buf1 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # both consumers read every stage
+    a_bufs, b_bufs, buf0, buf1, ready, empty = _shared_state(a_desc, b_desc, c_desc, 1, STAGES)
     tiles_n = gl.cdiv(N, c_desc.block_type.shape[1])
 
     # (argument tuples are spelled out: a tuple built with `+` turns constexprs into tensors)
@@ -444,15 +453,7 @@ def _grouped_mm_ws_ragged_k_kernel(
 ):
     """c[g] = a[:, ks_g:ke_g] @ b[ks_g:ke_g] for the groups that offs splits the Kt dim into, rows of c
     past M_C dropped (M - 1 for COLSUM_ROW, else M); an empty group's tiles come out as zeros."""
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    buf0 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
-    buf1 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # both consumers read every stage
+    a_bufs, b_bufs, buf0, buf1, ready, empty = _shared_state(a_desc, b_desc, c_desc, 2, STAGES)
     if COLSUM == COLSUM_ROW:
         M_C = M - 1
     else:
