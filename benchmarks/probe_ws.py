@@ -3,7 +3,8 @@
 Times, with every implementation interleaved, the six GEMMs of a gpt-oss expert MLP step: the
 up-projection with its SwiGLU epilogue, the down-projection with its bias, the two dgrads
 (rows ragged) and the two weight gradients (ragged K), with
-``MOEKIT_NO_WS`` toggled in-process; torch._grouped_mm and a dense matmul give the scale. Checks
+``MOEKIT_NO_WS`` toggled in-process; torch._grouped_mm and a dense matmul give the scale. Also the
+dH dgrad with the dSwiGLU epilogue against the plain warp-specialized dgrad plus the pass ("unfused"). Checks
 each warp-specialized result against the Triton path first. A development tool: the committed
 tables come from ``python -m moekit bench``.
 """
@@ -16,7 +17,7 @@ import torch
 from moekit import config
 from moekit.bench import SHAPES, environment, interleaved_ms
 from moekit.epilogue import SwiGLU
-from moekit.experts import grouped_mm_swiglu_fwd
+from moekit.experts import grouped_mm_dswiglu, grouped_mm_swiglu_fwd, swiglu_bwd
 from moekit.grouped_gemm import _ragged_k, _ragged_m
 from moekit.testing import offs_from_counts, routed_counts
 
@@ -38,12 +39,12 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def main(names):
+def main(names, only=()):
     for name in names:
-        probe_shape(name, SwiGLU())
+        probe_shape(name, SwiGLU(), only)
 
 
-def probe_shape(name, spec):
+def probe_shape(name, spec, only=()):
     s = SHAPES[name]
     gen = torch.Generator().manual_seed(0)
     offs = offs_from_counts(routed_counts(s.tokens, s.e, s.top_k, generator=gen), device="cuda")
@@ -64,6 +65,11 @@ def probe_shape(name, spec):
                                    lambda: h @ w_down[0], lambda: torch._grouped_mm(h, w_down, offs))
     problems["dH (dgrad)"] = (lambda: _ragged_m(dy, w_down.mT, offs, bf16, None), 2 * m * d * f,
                               lambda: dy @ w_down[0].mT, lambda: torch._grouped_mm(dy, w_down.mT, offs))
+    problems["dH+dSwiGLU"] = (
+        lambda: grouped_mm_dswiglu(dy, w_down, offs, aux, spec, ones_col=True), 2 * m * d * f,
+        lambda: dy @ w_down[0].mT,
+        lambda: swiglu_bwd(aux, _ragged_m(dy, w_down.mT, offs, bf16, None), spec, with_h=True, ones_col=True),
+    )
     problems["dX (dgrad)"] = (lambda: _ragged_m(aux, w_up.mT, offs, bf16, None), 4 * m * d * f,
                               lambda: aux @ w_up[0].mT, lambda: torch._grouped_mm(aux, w_up.mT, offs))
     problems["dW_up (wgrad)"] = (lambda: _ragged_k(x.mT, aux, offs, torch.bfloat16, None), 2 * m * d * 2 * f,
@@ -71,11 +77,14 @@ def probe_shape(name, spec):
     problems["dW_down (wgrad)"] = (lambda: _ragged_k(h.mT, dy, offs, torch.bfloat16, None), 2 * m * d * f,
                                    lambda: h.mT @ dy, lambda: torch._grouped_mm(h.mT, dy, offs))
     for label, (fn, flops, dense, grouped) in problems.items():
+        if only and not any(o in label for o in only):
+            continue
         got, want = _toggled(fn, True)(), _toggled(fn, False)()
         errs = [_rel(g, w_) for g, w_ in zip(got if isinstance(got, tuple) else (got,),
                                                want if isinstance(want, tuple) else (want,), strict=True)]
+        other = "unfused" if label == "dH+dSwiGLU" else "torch"
         ms = interleaved_ms({"ws": _toggled(fn, True), "triton": _toggled(fn, False),
-                             "torch": grouped, "dense": dense}, rounds=3, rep_ms=100)
+                             other: _toggled(grouped, True), "dense": dense}, rounds=3, rep_ms=100)
         cells = " ".join(f"{k} {v:.3f} ms ({flops / v / 1e9:.0f})" for k, v in ms.items())
         print(f"{name} {label}: diff vs triton {max(errs):.1e} | {cells}", flush=True)
 
@@ -83,4 +92,6 @@ def probe_shape(name, spec):
 if __name__ == "__main__":
     print(environment())
     assert config.use_warp_specialized(torch.device("cuda")), "needs an sm_90 GPU and Gluon"
-    main([a for a in sys.argv[1:] if a in SHAPES] or ["gpt-oss-20b", "gpt-oss-120b"])
+    # arguments: shape names, and substrings of the problem labels to time (default: all)
+    main([a for a in sys.argv[1:] if a in SHAPES] or ["gpt-oss-20b", "gpt-oss-120b"],
+         [a for a in sys.argv[1:] if a not in SHAPES])

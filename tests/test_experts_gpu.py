@@ -4,8 +4,18 @@ opcheck, torch.compile, CUDA graphs and no host sync."""
 import pytest
 import torch
 
-from moekit import GptOssExperts, grouped_mm_downproj, grouped_mm_downproj_ref, grouped_mm_swiglu, grouped_mm_swiglu_ref
+from moekit import (
+    GptOssExperts,
+    config,
+    experts,
+    grouped_gemm,
+    grouped_mm_downproj,
+    grouped_mm_downproj_ref,
+    grouped_mm_swiglu,
+    grouped_mm_swiglu_ref,
+)
 from moekit.bench.baselines import TorchtitanGptOssExperts
+from moekit.epilogue import SwiGLU
 from moekit.experts import (
     _colsum_op,
     _downproj_bwd_op,
@@ -71,6 +81,38 @@ def test_forward_backward_against_float64(expert_path, layout, x_scale, d, f):
     tail = int(offs[-1])
     assert not out[tail:].any() and not leaves[0].grad[tail:].any()
     assert not leaves[1].grad[1].any() and not leaves[3].grad[1].any()
+
+
+@pytest.mark.parametrize("w_layout", ["EFD", "EDF"], ids=["w-k-major", "w-n-major"])
+@pytest.mark.parametrize("f, ones_col", [(1000, True), (1000, False), (768, False)],
+                         ids=["ones-col", "partial-tile", "full-tiles"])
+def test_warp_specialized_dswiglu_dgrad(monkeypatch, w_layout, f, ones_col):
+    """The down-projection's dgrad with the dSwiGLU epilogue (one warp-specialized GEMM) against the
+    warp-specialized plain dgrad followed by the pass: the same dH bits, so the same d_aux and h bit for
+    bit. Empty experts, a group of one row, rows past offs[-1] (aux NaN there), clamp-heavy aux."""
+    if not config.use_warp_specialized(torch.device(DEV)):
+        pytest.skip("needs an sm_90 GPU with Gluon")
+    counts = [700, 0, 1, 1300, 255, 0, 2048, 33]
+    offs = offs_from_counts(counts, device=DEV)
+    m, d, e = sum(counts) + 40, 960, len(counts)
+    grad = torch.randn(m, d, device=DEV).to(BF16)
+    aux = (torch.randn(m, 2 * f, device=DEV) * 4).to(BF16)
+    aux[sum(counts):] = float("nan")
+    w = torch.randn(e, f, d, device=DEV) / d**0.5
+    w = w.to(BF16) if w_layout == "EFD" else w.mT.contiguous().to(BF16).mT
+    spec = SwiGLU()
+    epilogues = []
+    launch = grouped_gemm.ws_gemm
+    monkeypatch.setattr(experts, "ws_gemm", lambda *a, **k: epilogues.append(k.get("epilogue")) or launch(*a, **k))
+    d_aux, h = experts.grouped_mm_dswiglu(grad, w, offs, aux, spec, ones_col=ones_col)
+    assert epilogues == [grouped_gemm.WS_DSWIGLU], epilogues
+    dh = grouped_gemm.grouped_mm_fwd(grad, w.mT, offs)
+    want_aux, want_h = experts.swiglu_bwd(aux, dh, spec, with_h=True, ones_col=ones_col)
+    assert d_aux.shape == want_aux.shape and h.shape == want_h.shape and h.stride() == want_h.stride()
+    assert not d_aux.isnan().any() and not h.isnan().any()
+    assert torch.equal(d_aux, want_aux) and torch.equal(h, want_h)
+    if ones_col:
+        assert (h[: sum(counts), f] == 1).all()
 
 
 def _module_step(ex, x, counts, dy):

@@ -30,6 +30,7 @@ from ._kernels.epilogue import _swiglu_bwd_kernel, _swiglu_kernel
 from ._kernels.experts import _grouped_colsum_kernel, _grouped_mm_swiglu_kernel
 from .epilogue import SwiGLU
 from .grouped_gemm import (
+    WS_DSWIGLU,
     WS_SWIGLU,
     _check_layout,
     _grouped_mm_op,
@@ -39,6 +40,7 @@ from .grouped_gemm import (
     _row_bounded,
     _tma_ok,
     grouped_mm_fwd,
+    ws_dswiglu_ok,
     ws_gemm,
     ws_ok,
 )
@@ -135,21 +137,29 @@ def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig
 
 
 def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = False):
-    """Down-projection dgrad followed by the SwiGLU backward.
+    """Down-projection dgrad with the SwiGLU backward: grad (M, D) = dOut, w (E, F, D) the down weight,
+    aux (M, 2F) -> (d_aux (M, 2F), h), with dH = grad @ w[g]^T, d_aux = dSwiGLU(aux) * dH and the
+    recomputed h = SwiGLU(aux) that dW_down needs. h is (M, F); with ``ones_col`` it is a (M, F + 1)
+    view of a row-padded buffer whose last column is ones, so that ``h^T @ dOut`` also yields db_down
+    (``_ragged_k(..., ones_row=True)``).
 
-    grad (M, D) = dOut, w (E, F, D) the down weight, aux (M, 2F) -> (d_aux (M, 2F), h):
-    dH = grad @ w[g]^T (one grouped GEMM, 128x256 tiles), then one bandwidth-bound pass reads aux and
-    dH and writes d_aux = dSwiGLU(aux) * dH and the recomputed h = SwiGLU(aux) that dW_down needs.
-    h is (M, F); with ``ones_col`` it is a (M, F + 1) view of a row-padded buffer whose last column
-    is ones, so that ``h^T @ dOut`` also yields db_down (``_ragged_k(..., ones_row=True)``).
-
-    Why not the GEMM's epilogue: in Triton 3.6's persistent loop the fused epilogue cost 4.28 ms
-    against 2.32 ms + ~1.2 ms this way at gpt-oss-20b, and every 128x256 variant spilled; the
-    warp-specialized Hopper kernel with the same epilogue took 5.47 ms against 3.65 ms, because
-    the epilogue's reads of aux stall its consumers between main loops (bench/NOTES.md, expert MLP
-    entries 1, 8 and 14).
+    On Hopper (interleaved layout, bf16) one warp-specialized GEMM does it all in its epilogue: dH
+    never reaches memory, the loader warp stages each tile's aux in shared memory during the main loop.
+    Elsewhere dH is a grouped GEMM and one bandwidth-bound pass turns (aux, dH) into d_aux and h. Both
+    round dH to bf16 first, so they agree bit for bit.
     """
-    dh = grouped_mm_fwd(grad, w.mT, offs)
+    m, two_f = aux.shape
+    f = two_f // 2
+    w_t = w.mT
+    if not spec.halves and m and f:
+        h_cols = triton.cdiv(f + 1, 64) * 64 if ones_col else f  # as swiglu_bwd pads it
+        d_aux = config.empty((m, two_f), dtype=aux.dtype, device=aux.device)
+        h = config.empty((m, h_cols), dtype=aux.dtype, device=aux.device)
+        if ws_dswiglu_ok(grad, w_t, aux, d_aux, h):
+            ws_gemm(grad, w_t, offs, d_aux, epilogue=WS_DSWIGLU, out2=h, aux=aux, spec=spec)
+            return d_aux, h[:, : f + 1] if ones_col else h
+        del d_aux, h
+    dh = grouped_mm_fwd(grad, w_t, offs)
     return swiglu_bwd(aux, dh, spec, with_h=True, ones_col=ones_col)
 
 

@@ -190,7 +190,7 @@ _WS_STAGES = 3  # 3 x 48 KB ring + 2 x 32 KB epilogue buffers: 208 KB of the 227
 _WS_GROUP_M = 8  # row tiles walked together, for L2 reuse
 _WS_MIN_ROWS = 128  # average rows per group below which the rows-ragged GEMM keeps Triton's smaller tiles
 
-WS_PLAIN, WS_SWIGLU = 0, 1  # the epilogues of _kernels/hopper_gemm.py
+WS_PLAIN, WS_SWIGLU, WS_DSWIGLU = 0, 1, 2  # the epilogues of _kernels/hopper_gemm.py
 WS_COLSUM_NONE, WS_COLSUM_ROW, WS_COLSUM_VIRTUAL = 0, 1, 2  # its ragged-K kernel's column-sum modes
 
 
@@ -202,6 +202,14 @@ def _ws_rows_ragged(a, b, out, b_trans: bool) -> bool:
     (m, k), (e, _, n) = a.shape, b.shape
     return (out.dtype == torch.bfloat16 and m >= _WS_MIN_ROWS * e and (b_trans or k <= n)
             and ws_ok(a, b, out))
+
+
+def ws_dswiglu_ok(a, b, aux, d_aux, h) -> bool:
+    """Whether the down-projection's dgrad a (M, K) @ b (E, K, N) takes the warp-specialized kernel
+    with the dSwiGLU epilogue (``ws_gemm(..., epilogue=WS_DSWIGLU)``) into d_aux and h (M, N2)."""
+    (m, _), (e, _, n) = a.shape, b.shape
+    return (m >= _WS_MIN_ROWS * e and h.shape[1] <= triton.cdiv(n, _WS_TILE[1]) * _WS_TILE[1]
+            and ws_ok(a, b, aux, d_aux, h))
 
 
 def _ws_desc(t, shape, strides, block):
@@ -225,21 +233,31 @@ def ws_ok(a: torch.Tensor, b: torch.Tensor, *outs: torch.Tensor) -> bool:
     )
 
 
-def ws_gemm(a, b, offs, c, *, epilogue: int = WS_PLAIN, bias=None, out2=None, spec=None):
+def ws_gemm(a, b, offs, c, *, epilogue: int = WS_PLAIN, bias=None, out2=None, aux=None, spec=None):
     """Rows-ragged GEMM on the warp-specialized Hopper kernel (check ``ws_ok`` first).
 
     a (M, K) bf16 row-major; b (E, K, N) with a unit stride along K or N; bias (E, N) or None.
-    WS_PLAIN: c (M, N) = a @ b[g] (+ bias). WS_SWIGLU: c = aux (M, N) and out2 = h = SwiGLU(aux)
-    (M, N / 2), gate and linear columns interleaved. Rows past offs[-1] of c and out2 are zero."""
+
+    * WS_PLAIN: c (M, N) = a @ b[g] (+ bias).
+    * WS_SWIGLU: c = aux (M, N) and out2 = h = SwiGLU(aux) (M, N / 2), gate and linear columns
+      interleaved.
+    * WS_DSWIGLU (the down-projection's dgrad): dH = a @ b[g] (M, N) is never stored; from it and
+      ``aux`` (M, 2N), c = d_aux = dSwiGLU(aux) * dH (M, 2N) and out2 = h = SwiGLU(aux), (M, N2)
+      with N2 >= N: column N of out2 is ones when N2 > N (N2 must then stay within the last
+      256-column tile), later columns are zeros.
+
+    Rows past offs[-1] of c and out2 are zero."""
     from ._kernels import hopper_gemm as hk  # Gluon: imported only where it runs
 
     (m, k), (e, _, n) = a.shape, b.shape
     bm, bn, bk = _WS_TILE
     b_trans = b.stride(2) != 1
+    box_n = bn // 2 if epilogue == WS_DSWIGLU else bn  # DSWIGLU: one B box per accumulator
     a_desc = _ws_desc(a, [m, k], [a.stride(0), 1], [bm, bk])
-    b_desc = (_ws_desc(b, [e, n, k], [b.stride(0), b.stride(2), 1], [1, bn, bk]) if b_trans
-              else _ws_desc(b, [e, k, n], [b.stride(0), b.stride(1), 1], [1, bk, bn]))
-    c_desc = _ws_desc(c, [m, c.shape[1]], [c.stride(0), 1], [bm // 2, bn])
+    b_desc = (_ws_desc(b, [e, n, k], [b.stride(0), b.stride(2), 1], [1, box_n, bk]) if b_trans
+              else _ws_desc(b, [e, k, n], [b.stride(0), b.stride(1), 1], [1, bk, box_n]))
+    staged = aux if epilogue == WS_DSWIGLU else c  # what the epilogue buffers hold
+    c_desc = _ws_desc(staged, [m, staged.shape[1]], [staged.stride(0), 1], [bm // 2, bn])
     out2 = c if out2 is None else out2
     max_row_tiles = triton.cdiv(m, bm) + e
     table = torch.empty(4 * (max_row_tiles + 1), dtype=torch.int32, device=a.device)
@@ -248,14 +266,15 @@ def ws_gemm(a, b, offs, c, *, epilogue: int = WS_PLAIN, bias=None, out2=None, sp
         c.stride(0), out2.stride(0), max_row_tiles,
         BLOCK_M=bm, BLOCK_E=triton.next_power_of_2(e + 1), BLOCK_T=128, BLOCK_Z=32, num_warps=4,
     )
-    c_arg = c.view(torch.int32) if epilogue == WS_SWIGLU else c  # aux as int32 words of bf16 pairs
+    # aux / d_aux as int32 words of bf16 pairs
+    c_arg = c.view(torch.int32) if epilogue in (WS_SWIGLU, WS_DSWIGLU) else c
     sw = spec.constexprs() if spec is not None else dict(ALPHA=1.0, LIMIT=None, OFFSET=0.0)
     programs = min(config.num_sms(a.device), max_row_tiles * triton.cdiv(n, bn))
     hk._grouped_mm_ws_kernel[(programs,)](
-        a_desc, b_desc, c_desc,
+        a_desc, b_desc, c_desc, c_desc,
         c_arg, c_arg.stride(0), out2, out2.stride(0),
         bias if bias is not None else c, bias.stride(0) if bias is not None else 0, table,
-        n, k,
+        n, out2.shape[1], k,
         NUM_SMS=programs, GROUP_M=_WS_GROUP_M, STAGES=_WS_STAGES, B_TRANS=b_trans, HAS_BIAS=bias is not None,
         EPILOGUE=epilogue, ALPHA=sw["ALPHA"], LIMIT=sw["LIMIT"], OFFSET=sw["OFFSET"],
         num_warps=4, maxnreg=168,

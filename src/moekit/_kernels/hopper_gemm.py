@@ -56,11 +56,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .epilogue import swiglu_apply
+from .epilogue import swiglu_apply, swiglu_apply_bwd
 from .grouped_gemm import ROW_BOUND_BIG, _group_table, _swizzle
 
 PLAIN = tl.constexpr(0)
 SWIGLU = tl.constexpr(1)
+DSWIGLU = tl.constexpr(2)
 COLSUM_NONE = tl.constexpr(0)  # the column-sum modes of the ragged-K kernel
 COLSUM_ROW = tl.constexpr(1)
 COLSUM_VIRTUAL = tl.constexpr(2)
@@ -141,19 +142,32 @@ def _bias_row(bias_ptr, stride_bias, g, pid_n, N, BLOCK_N: gl.constexpr, acc_lay
 
 
 @gluon.jit
-def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, table, K, tiles_n,
-                    NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                    B_TRANS: gl.constexpr):
+def _load_aux_half(aux_desc, buf, aux_ready, aux_empty, row, col, HALF_J: gl.constexpr):
+    """DSWIGLU: aux half HALF_J of a consumer's rows into its epilogue buffer, once the consumer has
+    read the previous half. Every tile loads halves 0 and 1, so the phases are constants."""
+    mbarrier.wait(aux_empty, 1 - HALF_J)
+    mbarrier.expect(aux_ready, aux_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(aux_desc, [row, col], aux_ready, buf)
+
+
+@gluon.jit
+def _load_partition(a_desc, b_desc, aux_desc, a_bufs, b_bufs, buf0, buf1, ready, empty, aux_ready, aux_empty,
+                    table, K, tiles_n, NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                    B_TRANS: gl.constexpr, EPILOGUE: gl.constexpr):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    HALF: gl.constexpr = BLOCK_M // 2
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = buf0.shape[1]  # of the output tile; DSWIGLU loads B in two boxes
     if B_TRANS:
-        BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
+        BOX_N: gl.constexpr = b_desc.block_type.shape[1]
     else:
-        BLOCK_N: gl.constexpr = b_desc.block_type.shape[2]
+        BOX_N: gl.constexpr = b_desc.block_type.shape[2]
+    B_PER_STAGE: gl.constexpr = BLOCK_N // BOX_N
     n_rows_tiles = gl.load(table)
     total = n_rows_tiles * tiles_n
     k_iters = gl.cdiv(K, BLOCK_K)
-    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    aux_at = gl.minimum(k_iters, STAGES) - 1  # DSWIGLU: the K step after which aux half 0 loads
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + B_PER_STAGE * b_desc.block_type.nbytes
     idx = 0
     phase = 1  # the first pass over the ring finds every stage free
     nxt = _tile_at(gl.minimum(gl.program_id(0), gl.maximum(total - 1, 0)), table, tiles_n, BLOCK_M, GROUP_M)
@@ -167,23 +181,36 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, table, K, tile
             bar = ready.index(idx)
             mbarrier.expect(bar, nbytes)
             tma.async_copy_global_to_shared(a_desc, [row, k], bar, a_bufs.index(idx))
-            if B_TRANS:  # memory (E, N, K)
-                tma.async_copy_global_to_shared(b_desc, [g, col, k], bar, b_bufs.index(idx))
-            else:  # memory (E, K, N)
-                tma.async_copy_global_to_shared(b_desc, [g, k, col], bar, b_bufs.index(idx))
+            for j in gl.static_range(B_PER_STAGE):
+                if B_TRANS:  # memory (E, N, K)
+                    tma.async_copy_global_to_shared(b_desc, [g, col + j * BOX_N, k], bar,
+                                                    b_bufs.index(B_PER_STAGE * idx + j))
+                else:  # memory (E, K, N)
+                    tma.async_copy_global_to_shared(b_desc, [g, k, col + j * BOX_N], bar,
+                                                    b_bufs.index(B_PER_STAGE * idx + j))
             idx += 1
             if idx == STAGES:
                 idx = 0
                 phase ^= 1
+            if EPILOGUE == DSWIGLU:
+                if ki == aux_at:  # early enough to land during the main loop, after its first stages
+                    _load_aux_half(aux_desc, buf0, aux_ready.index(0), aux_empty.index(0), row, 2 * col, 0)
+                    _load_aux_half(aux_desc, buf1, aux_ready.index(1), aux_empty.index(1), row + HALF, 2 * col, 0)
+        if EPILOGUE == DSWIGLU:  # half 1 once each consumer has read half 0
+            _load_aux_half(aux_desc, buf0, aux_ready.index(0), aux_empty.index(0), row, 2 * col + BLOCK_N, 1)
+            _load_aux_half(aux_desc, buf1, aux_ready.index(1), aux_empty.index(1), row + HALF, 2 * col + BLOCK_N,
+                           1)
 
 
 @gluon.jit
-def _shared_state(a_desc, b_desc, c_desc, A_PER_STAGE: gl.constexpr, STAGES: gl.constexpr):
-    """Shared memory of both kernels: the ring (A_PER_STAGE A boxes and one B box per stage), one
-    epilogue buffer per consumer, and the ready / empty barriers of each stage."""
+def _shared_state(a_desc, b_desc, c_desc, A_PER_STAGE: gl.constexpr, STAGES: gl.constexpr,
+                  B_PER_STAGE: gl.constexpr):
+    """Shared memory of both kernels: the ring (A_PER_STAGE A boxes and B_PER_STAGE B boxes per
+    stage), one epilogue buffer per consumer, and the ready / empty barriers of each stage."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [A_PER_STAGE * STAGES] + a_desc.block_type.shape,
                                        a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [B_PER_STAGE * STAGES] + b_desc.block_type.shape,
+                                       b_desc.layout)
     buf0 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
     buf1 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -217,6 +244,21 @@ def _ring_drain(acc, empty, idx, k_iters, STAGES: gl.constexpr):
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(empty.index(gl.where(idx == 0, STAGES - 1, idx - 1)), pred=k_iters > 0)
     return acc
+
+
+@gluon.jit
+def _ring_mma2(a, b0, b1, acc0, acc1, ready, empty, idx, phase, ki, STAGES: gl.constexpr):
+    """``_ring_mma`` for a tile held in two accumulators (column halves): two wgmmas per stage."""
+    mbarrier.wait(ready.index(idx), phase)
+    acc0 = warpgroup_mma(a, b0, acc0, is_async=True)
+    acc1 = warpgroup_mma(a, b1, acc1, is_async=True)
+    warpgroup_mma_wait(2, deps=(acc0, acc1))
+    mbarrier.arrive(empty.index(gl.where(idx == 0, STAGES - 1, idx - 1)), pred=ki > 0)
+    idx += 1
+    if idx == STAGES:
+        idx = 0
+        phase ^= 1
+    return acc0, acc1, idx, phase
 
 
 @gluon.jit
@@ -314,34 +356,139 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, o
 
 
 @gluon.jit
+def _pack_pairs(low, high):
+    """Inverse of ``_unpack_pairs``: fp32 (low, high) -> int32 words of the two rounded bf16."""
+    lo = low.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 65535
+    hi = high.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) << 16
+    return lo | hi
+
+
+@gluon.jit
+def _dswiglu_half(words, acc, aux_ready, aux_empty, c_ptr, stride_c, out2_ptr, stride_out2, row, col, end, N, N2,
+                  HALF_J: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr):
+    """DSWIGLU epilogue of one column half: dH (acc, rounded to bf16 as a stored dH would be) and aux
+    words (staged by the loader) -> d_aux words into c_ptr and h into out2_ptr, both stored straight
+    from the accumulator's layout (two adjacent columns per thread: 8-byte d_aux and 4-byte h
+    stores). Column N of h is 1 (a ones column when N2 > N); rows >= end are another group's."""
+    layout: gl.constexpr = acc.type.layout
+    mbarrier.wait(aux_ready, HALF_J)
+    w = words.load(layout)
+    mbarrier.arrive(aux_empty)  # the loader may refill the buffer while this half computes
+    dh = acc.to(gl.bfloat16).to(gl.float32)
+    gate, lin = _unpack_pairs(w)
+    dg, dl, h = swiglu_apply_bwd(gate, lin, dh, ALPHA, LIMIT, OFFSET)
+    rows = row + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = col + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+    rows64 = rows.to(gl.int64)[:, None]
+    row_ok = (rows < end)[:, None]
+    gl.store(c_ptr + rows64 * stride_c + cols[None, :], _pack_pairs(dg, dl), mask=row_ok & (cols[None, :] < N))
+    h = gl.where(cols[None, :] == N, 1.0, h)
+    gl.store(out2_ptr + rows64 * stride_out2 + cols[None, :], h.to(out2_ptr.dtype.element_ty),
+             mask=row_ok & (cols[None, :] < N2))
+
+
+@gluon.jit
+def _dswiglu_partition(a_bufs, b_bufs, ready, empty, buf, aux_ready, aux_empty, c_ptr, stride_c, out2_ptr,
+                       stride_out2, table, N, N2, K, tiles_n,
+                       CONSUMER: gl.constexpr, NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr,
+                       STAGES: gl.constexpr, B_TRANS: gl.constexpr,
+                       ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr):
+    """DSWIGLU consumer warpgroup CONSUMER: rows [CONSUMER * HALF, (CONSUMER + 1) * HALF) of every
+    tile in two column halves (two accumulators, one B box each), then for each half the dSwiGLU
+    epilogue on the aux half that the loader staged in ``buf``."""
+    BLOCK_M: gl.constexpr = a_bufs.shape[1]
+    HALF: gl.constexpr = BLOCK_M // 2
+    BLOCK_K: gl.constexpr = a_bufs.shape[2]
+    BLOCK_N: gl.constexpr = buf.shape[1]
+    BN2: gl.constexpr = BLOCK_N // 2
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN2, 16]
+    )
+    # buf holds BLOCK_N aux columns: the (gate, linear) words of BN2 dH columns
+    words = buf._reinterpret(gl.int32, [HALF, BN2], gl.NVMMASharedLayout.get_default_for([HALF, BN2], gl.int32))
+    n_rows_tiles = gl.load(table)
+    total = n_rows_tiles * tiles_n
+    k_iters = gl.cdiv(K, BLOCK_K)
+    idx = 0
+    phase = 0
+    nxt = _tile_at(gl.minimum(gl.program_id(0), gl.maximum(total - 1, 0)), table, tiles_n, BLOCK_M, GROUP_M)
+    for t in range(gl.program_id(0), total, NUM_SMS):
+        g, row, end, pid_n = nxt
+        nxt = _tile_at(gl.minimum(t + NUM_SMS, gl.maximum(total - 1, 0)), table, tiles_n, BLOCK_M, GROUP_M)
+        acc0 = warpgroup_mma_init(gl.zeros([HALF, BN2], gl.float32, acc_layout))
+        acc1 = warpgroup_mma_init(gl.zeros([HALF, BN2], gl.float32, acc_layout))
+        for ki in range(k_iters):
+            if B_TRANS:
+                b0 = b_bufs.index(2 * idx).reshape([BN2, BLOCK_K]).permute((1, 0))
+                b1 = b_bufs.index(2 * idx + 1).reshape([BN2, BLOCK_K]).permute((1, 0))
+            else:
+                b0 = b_bufs.index(2 * idx).reshape([BLOCK_K, BN2])
+                b1 = b_bufs.index(2 * idx + 1).reshape([BLOCK_K, BN2])
+            a = a_bufs.index(idx).slice(CONSUMER * HALF, HALF, dim=0)
+            acc0, acc1, idx, phase = _ring_mma2(a, b0, b1, acc0, acc1, ready, empty, idx, phase, ki, STAGES)
+        acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
+        mbarrier.arrive(empty.index(gl.where(idx == 0, STAGES - 1, idx - 1)), pred=k_iters > 0)
+        row_c = row + CONSUMER * HALF
+        col = pid_n * BLOCK_N
+        _dswiglu_half(words, acc0, aux_ready, aux_empty, c_ptr, stride_c, out2_ptr, stride_out2, row_c, col,
+                      end, N, N2, 0, ALPHA, LIMIT, OFFSET)
+        _dswiglu_half(words, acc1, aux_ready, aux_empty, c_ptr, stride_c, out2_ptr, stride_out2, row_c, col + BN2,
+                      end, N, N2, 1, ALPHA, LIMIT, OFFSET)
+
+
+@gluon.jit
 def _grouped_mm_ws_kernel(
-    a_desc, b_desc, c_desc,  # a (M, K) [BM, BK]; c (M, N) [BM // 2, BN]
-    # b (E, N, K) [1, BN, BK] (B_TRANS) or (E, K, N) [1, BK, BN]
+    a_desc, b_desc, c_desc,  # a (M, K) [BM, BK]; c (M, N) [BM // 2, BN] (DSWIGLU: aux's, as aux_desc)
+    # b (E, N, K) [1, BN, BK] (B_TRANS) or (E, K, N) [1, BK, BN]; DSWIGLU: BN // 2 boxes
+    aux_desc,  # DSWIGLU: aux (M, 2N) [BM // 2, BN] (else c_desc again)
     c_ptr, stride_c, out2_ptr, stride_out2,  # the outputs, by epilogue (module doc)
     bias_ptr, stride_bias, table,  # bias (E, N) or None; the row-tile table of _tile_table_kernel
-    N, K,
+    N, N2, K,  # N2: DSWIGLU's columns of out2 (N, or N + 1 and padding for a ones column)
     NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
     HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr,
     ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr,
 ):
-    a_bufs, b_bufs, buf0, buf1, ready, empty = _shared_state(a_desc, b_desc, c_desc, 1, STAGES)
+    B_PER_STAGE: gl.constexpr = 2 if EPILOGUE == DSWIGLU else 1
+    a_bufs, b_bufs, buf0, buf1, ready, empty = _shared_state(a_desc, b_desc, c_desc, 1, STAGES, B_PER_STAGE)
+    # DSWIGLU: each consumer's aux half is in its buffer (ready) / has been read (empty)
+    aux_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    aux_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(aux_ready.index(i), count=1)
+        mbarrier.init(aux_empty.index(i), count=1)
     tiles_n = gl.cdiv(N, c_desc.block_type.shape[1])
 
     # (argument tuples are spelled out: a tuple built with `+` turns constexprs into tensors)
-    gl.warp_specialize(
-        [
-            (_mma_partition, (a_bufs, b_bufs, ready, empty, buf0, c_desc, c_ptr, stride_c, out2_ptr,
-                              stride_out2, bias_ptr, stride_bias, table, N, K, tiles_n,
-                              0, NUM_SMS, GROUP_M, STAGES, B_TRANS, HAS_BIAS, EPILOGUE, ALPHA, LIMIT, OFFSET)),
-            (_mma_partition, (a_bufs, b_bufs, ready, empty, buf1, c_desc, c_ptr, stride_c, out2_ptr,
-                              stride_out2, bias_ptr, stride_bias, table, N, K, tiles_n,
-                              1, NUM_SMS, GROUP_M, STAGES, B_TRANS, HAS_BIAS, EPILOGUE, ALPHA, LIMIT, OFFSET)),
-            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, table, K, tiles_n,
-                               NUM_SMS, GROUP_M, STAGES, B_TRANS)),
-        ],
-        [4, 1],
-        [232, 40],
-    )
+    if EPILOGUE == DSWIGLU:
+        gl.warp_specialize(
+            [
+                (_dswiglu_partition, (a_bufs, b_bufs, ready, empty, buf0, aux_ready.index(0), aux_empty.index(0),
+                                      c_ptr, stride_c, out2_ptr, stride_out2, table, N, N2, K, tiles_n,
+                                      0, NUM_SMS, GROUP_M, STAGES, B_TRANS, ALPHA, LIMIT, OFFSET)),
+                (_dswiglu_partition, (a_bufs, b_bufs, ready, empty, buf1, aux_ready.index(1), aux_empty.index(1),
+                                      c_ptr, stride_c, out2_ptr, stride_out2, table, N, N2, K, tiles_n,
+                                      1, NUM_SMS, GROUP_M, STAGES, B_TRANS, ALPHA, LIMIT, OFFSET)),
+                (_load_partition, (a_desc, b_desc, aux_desc, a_bufs, b_bufs, buf0, buf1, ready, empty, aux_ready,
+                                   aux_empty, table, K, tiles_n, NUM_SMS, GROUP_M, STAGES, B_TRANS, EPILOGUE)),
+            ],
+            [4, 1],
+            [232, 40],
+        )
+    else:
+        gl.warp_specialize(
+            [
+                (_mma_partition, (a_bufs, b_bufs, ready, empty, buf0, c_desc, c_ptr, stride_c, out2_ptr,
+                                  stride_out2, bias_ptr, stride_bias, table, N, K, tiles_n,
+                                  0, NUM_SMS, GROUP_M, STAGES, B_TRANS, HAS_BIAS, EPILOGUE, ALPHA, LIMIT, OFFSET)),
+                (_mma_partition, (a_bufs, b_bufs, ready, empty, buf1, c_desc, c_ptr, stride_c, out2_ptr,
+                                  stride_out2, bias_ptr, stride_bias, table, N, K, tiles_n,
+                                  1, NUM_SMS, GROUP_M, STAGES, B_TRANS, HAS_BIAS, EPILOGUE, ALPHA, LIMIT, OFFSET)),
+                (_load_partition, (a_desc, b_desc, aux_desc, a_bufs, b_bufs, buf0, buf1, ready, empty, aux_ready,
+                                   aux_empty, table, K, tiles_n, NUM_SMS, GROUP_M, STAGES, B_TRANS, EPILOGUE)),
+            ],
+            [4, 1],
+            [232, 40],
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -453,7 +600,7 @@ def _grouped_mm_ws_ragged_k_kernel(
 ):
     """c[g] = a[:, ks_g:ke_g] @ b[ks_g:ke_g] for the groups that offs splits the Kt dim into, rows of c
     past M_C dropped (M - 1 for COLSUM_ROW, else M); an empty group's tiles come out as zeros."""
-    a_bufs, b_bufs, buf0, buf1, ready, empty = _shared_state(a_desc, b_desc, c_desc, 2, STAGES)
+    a_bufs, b_bufs, buf0, buf1, ready, empty = _shared_state(a_desc, b_desc, c_desc, 2, STAGES, 1)
     if COLSUM == COLSUM_ROW:
         M_C = M - 1
     else:
