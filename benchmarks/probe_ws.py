@@ -4,7 +4,8 @@ Times, with every implementation interleaved, the six GEMMs of a gpt-oss expert 
 up-projection with its SwiGLU epilogue, the down-projection with its bias, the two dgrads
 (rows ragged) and the two weight gradients (ragged K), with
 ``MOEKIT_NO_WS`` toggled in-process; torch._grouped_mm and a dense matmul give the scale. Also the
-dH dgrad with the dSwiGLU epilogue against the plain warp-specialized dgrad plus the pass ("unfused"). Checks
+dH dgrad with the opt-in dSwiGLU epilogue ("ws"; "triton": the Triton dgrad plus the pass) against the
+plain warp-specialized dgrad plus the pass ("unfused", the default). Checks
 each warp-specialized result against the Triton path first. A development tool: the committed
 tables come from ``python -m moekit bench``.
 """
@@ -32,6 +33,17 @@ def _toggled(fn, ws: bool):
             return fn()
         finally:
             os.environ.pop("MOEKIT_NO_WS", None)
+    return run
+
+
+def _fused(fn):
+    """fn with the opt-in fused dSwiGLU dgrad (``config.fused_dswiglu``)."""
+    def run():
+        os.environ["MOEKIT_FUSED_DSWIGLU"] = "1"
+        try:
+            return fn()
+        finally:
+            os.environ.pop("MOEKIT_FUSED_DSWIGLU", None)
     return run
 
 
@@ -66,7 +78,7 @@ def probe_shape(name, spec, only=()):
     problems["dH (dgrad)"] = (lambda: _ragged_m(dy, w_down.mT, offs, bf16, None), 2 * m * d * f,
                               lambda: dy @ w_down[0].mT, lambda: torch._grouped_mm(dy, w_down.mT, offs))
     problems["dH+dSwiGLU"] = (
-        lambda: grouped_mm_dswiglu(dy, w_down, offs, aux, spec, ones_col=True), 2 * m * d * f,
+        _fused(lambda: grouped_mm_dswiglu(dy, w_down, offs, aux, spec, ones_col=True)), 2 * m * d * f,
         lambda: dy @ w_down[0].mT,
         lambda: swiglu_bwd(aux, _ragged_m(dy, w_down.mT, offs, bf16, None), spec, with_h=True, ones_col=True),
     )

@@ -143,15 +143,16 @@ def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = Fal
     view of a row-padded buffer whose last column is ones, so that ``h^T @ dOut`` also yields db_down
     (``_ragged_k(..., ones_row=True)``).
 
-    On Hopper (interleaved layout, bf16) one warp-specialized GEMM does it all in its epilogue: dH
-    never reaches memory, the loader warp stages each tile's aux in shared memory during the main loop.
-    Elsewhere dH is a grouped GEMM and one bandwidth-bound pass turns (aux, dH) into d_aux and h. Both
-    round dH to bf16 first, so they agree bit for bit.
+    By default dH is a grouped GEMM and one bandwidth-bound pass turns (aux, dH) into d_aux and h.
+    With ``config.fused_dswiglu()`` on Hopper (interleaved layout, bf16), one warp-specialized GEMM
+    does it all in its epilogue: dH never reaches memory, and the loader warp stages each tile's aux
+    in shared memory during the main loop. Both round dH to bf16 first, so they agree bit for bit; the
+    fused kernel is the slower one on an H100 (``config.fused_dswiglu`` says why).
     """
     m, two_f = aux.shape
     f = two_f // 2
     w_t = w.mT
-    if not spec.halves and m and f:
+    if config.fused_dswiglu() and not spec.halves and m and f:
         h_cols = triton.cdiv(f + 1, 64) * 64 if ones_col else f  # as swiglu_bwd pads it
         d_aux = config.empty((m, two_f), dtype=aux.dtype, device=aux.device)
         h = config.empty((m, h_cols), dtype=aux.dtype, device=aux.device)

@@ -252,12 +252,11 @@ def ws_gemm(a, b, offs, c, *, epilogue: int = WS_PLAIN, bias=None, out2=None, au
     (m, k), (e, _, n) = a.shape, b.shape
     bm, bn, bk = _WS_TILE
     b_trans = b.stride(2) != 1
-    box_n = bn // 2 if epilogue == WS_DSWIGLU else bn  # DSWIGLU: one B box per accumulator
+    dsw = epilogue == WS_DSWIGLU
+    box_n = bn // 2 if dsw else bn  # DSWIGLU: one B box per accumulator
     a_desc = _ws_desc(a, [m, k], [a.stride(0), 1], [bm, bk])
     b_desc = (_ws_desc(b, [e, n, k], [b.stride(0), b.stride(2), 1], [1, box_n, bk]) if b_trans
               else _ws_desc(b, [e, k, n], [b.stride(0), b.stride(1), 1], [1, bk, box_n]))
-    staged = aux if epilogue == WS_DSWIGLU else c  # what the epilogue buffers hold
-    c_desc = _ws_desc(staged, [m, staged.shape[1]], [staged.stride(0), 1], [bm // 2, bn])
     out2 = c if out2 is None else out2
     max_row_tiles = triton.cdiv(m, bm) + e
     table = torch.empty(4 * (max_row_tiles + 1), dtype=torch.int32, device=a.device)
@@ -270,14 +269,21 @@ def ws_gemm(a, b, offs, c, *, epilogue: int = WS_PLAIN, bias=None, out2=None, au
     c_arg = c.view(torch.int32) if epilogue in (WS_SWIGLU, WS_DSWIGLU) else c
     sw = spec.constexprs() if spec is not None else dict(ALPHA=1.0, LIMIT=None, OFFSET=0.0)
     programs = min(config.num_sms(a.device), max_row_tiles * triton.cdiv(n, bn))
+    common = dict(NUM_SMS=programs, GROUP_M=_WS_GROUP_M, STAGES=_WS_STAGES, B_TRANS=b_trans,
+                  ALPHA=sw["ALPHA"], LIMIT=sw["LIMIT"], OFFSET=sw["OFFSET"], maxnreg=168)
+    if dsw:  # one 8-warp consumer partition (hopper_gemm.py)
+        aux_desc = _ws_desc(aux, [m, aux.shape[1]], [aux.stride(0), 1], [bm, bn])
+        hk._grouped_mm_ws_dswiglu_kernel[(programs,)](
+            a_desc, b_desc, aux_desc, c_arg, c_arg.stride(0), out2, out2.stride(0), table, n, out2.shape[1], k,
+            num_warps=8, **common,
+        )
+        return c
+    c_desc = _ws_desc(c, [m, c.shape[1]], [c.stride(0), 1], [bm // 2, bn])
     hk._grouped_mm_ws_kernel[(programs,)](
-        a_desc, b_desc, c_desc, c_desc,
+        a_desc, b_desc, c_desc,
         c_arg, c_arg.stride(0), out2, out2.stride(0),
         bias if bias is not None else c, bias.stride(0) if bias is not None else 0, table,
-        n, out2.shape[1], k,
-        NUM_SMS=programs, GROUP_M=_WS_GROUP_M, STAGES=_WS_STAGES, B_TRANS=b_trans, HAS_BIAS=bias is not None,
-        EPILOGUE=epilogue, ALPHA=sw["ALPHA"], LIMIT=sw["LIMIT"], OFFSET=sw["OFFSET"],
-        num_warps=4, maxnreg=168,
+        n, k, HAS_BIAS=bias is not None, EPILOGUE=epilogue, num_warps=4, **common,
     )
     return c
 

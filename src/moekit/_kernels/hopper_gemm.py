@@ -5,8 +5,10 @@
   and of the up-projection's SwiGLU kernel (``experts.py``).
 * ``_grouped_mm_ws_ragged_k_kernel``: ``c[g] = a[:, ks_g:ke_g] @ b[ks_g:ke_g]`` (the weight gradients),
   the contract of ``_grouped_mm_ragged_k_kernel``, including its ones row for a bias gradient.
+* ``_grouped_mm_ws_dswiglu_kernel``: the down-projection's dgrad with the SwiGLU backward in its
+  epilogue (opt-in, ``config.fused_dswiglu``; see DSWIGLU below).
 
-Both run Hopper's warp-specialized schedule:
+All three run Hopper's warp-specialized schedule:
 
 * a TMA warp (the loader) streams A and B tiles into a ring of shared-memory stages, running ahead
   of the math across tile boundaries;
@@ -25,10 +27,14 @@ Epilogues (``EPILOGUE``):
 * ``PLAIN``: c = a @ b[g] (+ bias[g]).
 * ``SWIGLU``: the up-projection. c is aux = a @ b[g] + bias[g] (M, 2F), gate and linear columns
   interleaved; out2 is h = SwiGLU(aux) (M, F), computed from the rounded aux.
-
-A dSwiGLU epilogue for the down-projection's dgrad (reading aux from global memory in the epilogue)
-was measured too and left out: its aux reads sit between main loops, which made the fused dgrad
-5.47 ms against 3.65 ms for the Triton dgrad plus the separate pass (bench/NOTES.md).
+* ``DSWIGLU`` (its own kernel): dH = a @ b[g] stays in registers; c is d_aux = dSwiGLU(aux) * dH and
+  out2 is h = SwiGLU(aux), from the tile's aux that the loader warp stages in the epilogue buffer, one
+  column half at a time, the first during the main loop. The tile is held in two accumulators of
+  BN / 2 columns (one B box each) so that each half's epilogue finds its dH whole; one 8-warp
+  consumer partition and a runtime loop over the halves keep the long elementwise epilogue in the
+  instruction cache once. It is correct and bit-equal to the plain dgrad plus the pass, and slower
+  than them on an H100 (4.15 against 3.54 ms at gpt-oss-20b): its epilogue cannot overlap the
+  tensor cores in this schedule (bench/NOTES.md, expert MLP entries 15 and 20).
 
 Interleaved pairs are read as int32 words (gate in the low half, linear in the high half), so that
 the SwiGLU never needs a stride-2 access or a layout shuffle.
@@ -143,21 +149,20 @@ def _bias_row(bias_ptr, stride_bias, g, pid_n, N, BLOCK_N: gl.constexpr, acc_lay
 
 @gluon.jit
 def _load_aux_half(aux_desc, buf, aux_ready, aux_empty, row, col, HALF_J: gl.constexpr):
-    """DSWIGLU: aux half HALF_J of a consumer's rows into its epilogue buffer, once the consumer has
-    read the previous half. Every tile loads halves 0 and 1, so the phases are constants."""
+    """DSWIGLU: aux half HALF_J of a tile into the epilogue buffer, once the consumers have read the
+    previous half. Every tile loads halves 0 and 1, so the phases are constants."""
     mbarrier.wait(aux_empty, 1 - HALF_J)
     mbarrier.expect(aux_ready, aux_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(aux_desc, [row, col], aux_ready, buf)
 
 
 @gluon.jit
-def _load_partition(a_desc, b_desc, aux_desc, a_bufs, b_bufs, buf0, buf1, ready, empty, aux_ready, aux_empty,
+def _load_partition(a_desc, b_desc, aux_desc, a_bufs, b_bufs, bufs, ready, empty, aux_ready, aux_empty,
                     table, K, tiles_n, NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                     B_TRANS: gl.constexpr, EPILOGUE: gl.constexpr):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-    HALF: gl.constexpr = BLOCK_M // 2
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = buf0.shape[1]  # of the output tile; DSWIGLU loads B in two boxes
+    BLOCK_N: gl.constexpr = bufs.shape[2]  # of the output tile; DSWIGLU loads B in two boxes
     if B_TRANS:
         BOX_N: gl.constexpr = b_desc.block_type.shape[1]
     else:
@@ -194,31 +199,28 @@ def _load_partition(a_desc, b_desc, aux_desc, a_bufs, b_bufs, buf0, buf1, ready,
                 phase ^= 1
             if EPILOGUE == DSWIGLU:
                 if ki == aux_at:  # early enough to land during the main loop, after its first stages
-                    _load_aux_half(aux_desc, buf0, aux_ready.index(0), aux_empty.index(0), row, 2 * col, 0)
-                    _load_aux_half(aux_desc, buf1, aux_ready.index(1), aux_empty.index(1), row + HALF, 2 * col, 0)
-        if EPILOGUE == DSWIGLU:  # half 1 once each consumer has read half 0
-            _load_aux_half(aux_desc, buf0, aux_ready.index(0), aux_empty.index(0), row, 2 * col + BLOCK_N, 1)
-            _load_aux_half(aux_desc, buf1, aux_ready.index(1), aux_empty.index(1), row + HALF, 2 * col + BLOCK_N,
-                           1)
+                    _load_aux_half(aux_desc, bufs.index(0), aux_ready, aux_empty, row, 2 * col, 0)
+        if EPILOGUE == DSWIGLU:  # half 1 once the consumers have read half 0
+            _load_aux_half(aux_desc, bufs.index(0), aux_ready, aux_empty, row, 2 * col + BLOCK_N, 1)
 
 
 @gluon.jit
-def _shared_state(a_desc, b_desc, c_desc, A_PER_STAGE: gl.constexpr, STAGES: gl.constexpr,
-                  B_PER_STAGE: gl.constexpr):
-    """Shared memory of both kernels: the ring (A_PER_STAGE A boxes and B_PER_STAGE B boxes per
-    stage), one epilogue buffer per consumer, and the ready / empty barriers of each stage."""
+def _shared_state(a_desc, b_desc, c_desc, A_PER_STAGE: gl.constexpr, B_PER_STAGE: gl.constexpr,
+                  STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """Shared memory of the kernels: the ring (A_PER_STAGE A boxes and B_PER_STAGE B boxes per stage),
+    one epilogue buffer (a c_desc box) per consumer partition, and the ready / empty barriers of each
+    stage (every consumer partition frees every stage)."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [A_PER_STAGE * STAGES] + a_desc.block_type.shape,
                                        a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [B_PER_STAGE * STAGES] + b_desc.block_type.shape,
                                        b_desc.layout)
-    buf0 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
-    buf1 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    bufs = gl.allocate_shared_memory(c_desc.dtype, [CONSUMERS] + c_desc.block_type.shape, c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # both consumers read every stage
-    return a_bufs, b_bufs, buf0, buf1, ready, empty
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    return a_bufs, b_bufs, bufs, ready, empty
 
 
 @gluon.jit
@@ -364,21 +366,22 @@ def _pack_pairs(low, high):
 
 
 @gluon.jit
-def _dswiglu_half(words, acc, aux_ready, aux_empty, c_ptr, stride_c, out2_ptr, stride_out2, row, col, end, N, N2,
-                  HALF_J: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr):
-    """DSWIGLU epilogue of one column half: dH (acc, rounded to bf16 as a stored dH would be) and aux
-    words (staged by the loader) -> d_aux words into c_ptr and h into out2_ptr, both stored straight
-    from the accumulator's layout (two adjacent columns per thread: 8-byte d_aux and 4-byte h
-    stores). Column N of h is 1 (a ones column when N2 > N); rows >= end are another group's."""
-    layout: gl.constexpr = acc.type.layout
-    mbarrier.wait(aux_ready, HALF_J)
+def _dswiglu_half(words, dh, aux_ready, aux_empty, c_ptr, stride_c, out2_ptr, stride_out2, row, col, end, N, N2,
+                  half_j, ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr):
+    """DSWIGLU epilogue of one column half [col, col + BN2) of a tile: dH (bf16, in the accumulator's
+    layout) and the aux words that the loader staged -> d_aux = dSwiGLU(aux) * dH as words into c_ptr
+    and h = SwiGLU(aux) into out2_ptr, column N of h set to 1 (a ones column when N2 > N). Both are
+    stored straight from the accumulator's layout (8-byte d_aux and 4-byte h stores per thread),
+    rows >= end (the next group's) masked. (Staging d_aux over the aux words and h after it for TMA
+    stores serialized the buffer and was slower: bench/NOTES.md.)"""
+    layout: gl.constexpr = dh.type.layout
+    mbarrier.wait(aux_ready, half_j)
     w = words.load(layout)
     mbarrier.arrive(aux_empty)  # the loader may refill the buffer while this half computes
-    dh = acc.to(gl.bfloat16).to(gl.float32)
     gate, lin = _unpack_pairs(w)
-    dg, dl, h = swiglu_apply_bwd(gate, lin, dh, ALPHA, LIMIT, OFFSET)
-    rows = row + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
-    cols = col + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+    dg, dl, h = swiglu_apply_bwd(gate, lin, dh.to(gl.float32), ALPHA, LIMIT, OFFSET)
+    rows = row + gl.arange(0, dh.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = col + gl.arange(0, dh.shape[1], layout=gl.SliceLayout(0, layout))
     rows64 = rows.to(gl.int64)[:, None]
     row_ok = (rows < end)[:, None]
     gl.store(c_ptr + rows64 * stride_c + cols[None, :], _pack_pairs(dg, dl), mask=row_ok & (cols[None, :] < N))
@@ -390,22 +393,23 @@ def _dswiglu_half(words, acc, aux_ready, aux_empty, c_ptr, stride_c, out2_ptr, s
 @gluon.jit
 def _dswiglu_partition(a_bufs, b_bufs, ready, empty, buf, aux_ready, aux_empty, c_ptr, stride_c, out2_ptr,
                        stride_out2, table, N, N2, K, tiles_n,
-                       CONSUMER: gl.constexpr, NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr,
-                       STAGES: gl.constexpr, B_TRANS: gl.constexpr,
+                       NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
                        ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr):
-    """DSWIGLU consumer warpgroup CONSUMER: rows [CONSUMER * HALF, (CONSUMER + 1) * HALF) of every
-    tile in two column halves (two accumulators, one B box each), then for each half the dSwiGLU
-    epilogue on the aux half that the loader staged in ``buf``."""
+    """DSWIGLU consumer: one partition of two warpgroups (64 rows each, as the other kernels' two
+    consumer partitions) holding the tile in two column halves (two accumulators, one B box each),
+    then for each half the dSwiGLU epilogue on the aux half that the loader staged in ``buf``. One
+    partition, not two, and a runtime loop over the halves: the epilogue is ~2k instructions per
+    half, and four inlined copies overflowed the instruction cache (3x slower epilogues)."""
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
-    HALF: gl.constexpr = BLOCK_M // 2
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
     BLOCK_N: gl.constexpr = buf.shape[1]
     BN2: gl.constexpr = BLOCK_N // 2
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN2, 16]
+        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BN2, 16]
     )
     # buf holds BLOCK_N aux columns: the (gate, linear) words of BN2 dH columns
-    words = buf._reinterpret(gl.int32, [HALF, BN2], gl.NVMMASharedLayout.get_default_for([HALF, BN2], gl.int32))
+    words = buf._reinterpret(gl.int32, [BLOCK_M, BN2],
+                             gl.NVMMASharedLayout.get_default_for([BLOCK_M, BN2], gl.int32))
     n_rows_tiles = gl.load(table)
     total = n_rows_tiles * tiles_n
     k_iters = gl.cdiv(K, BLOCK_K)
@@ -415,8 +419,8 @@ def _dswiglu_partition(a_bufs, b_bufs, ready, empty, buf, aux_ready, aux_empty, 
     for t in range(gl.program_id(0), total, NUM_SMS):
         g, row, end, pid_n = nxt
         nxt = _tile_at(gl.minimum(t + NUM_SMS, gl.maximum(total - 1, 0)), table, tiles_n, BLOCK_M, GROUP_M)
-        acc0 = warpgroup_mma_init(gl.zeros([HALF, BN2], gl.float32, acc_layout))
-        acc1 = warpgroup_mma_init(gl.zeros([HALF, BN2], gl.float32, acc_layout))
+        acc0 = warpgroup_mma_init(gl.zeros([BLOCK_M, BN2], gl.float32, acc_layout))
+        acc1 = warpgroup_mma_init(gl.zeros([BLOCK_M, BN2], gl.float32, acc_layout))
         for ki in range(k_iters):
             if B_TRANS:
                 b0 = b_bufs.index(2 * idx).reshape([BN2, BLOCK_K]).permute((1, 0))
@@ -424,71 +428,82 @@ def _dswiglu_partition(a_bufs, b_bufs, ready, empty, buf, aux_ready, aux_empty, 
             else:
                 b0 = b_bufs.index(2 * idx).reshape([BLOCK_K, BN2])
                 b1 = b_bufs.index(2 * idx + 1).reshape([BLOCK_K, BN2])
-            a = a_bufs.index(idx).slice(CONSUMER * HALF, HALF, dim=0)
-            acc0, acc1, idx, phase = _ring_mma2(a, b0, b1, acc0, acc1, ready, empty, idx, phase, ki, STAGES)
+            acc0, acc1, idx, phase = _ring_mma2(a_bufs.index(idx), b0, b1, acc0, acc1, ready, empty, idx, phase,
+                                                ki, STAGES)
         acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
         mbarrier.arrive(empty.index(gl.where(idx == 0, STAGES - 1, idx - 1)), pred=k_iters > 0)
-        row_c = row + CONSUMER * HALF
+        # dH rounded to bf16 (as a stored dH would be): half the registers of the accumulators, so
+        # that picking a half in the runtime loop below does not spill
+        dh0 = acc0.to(gl.bfloat16)
+        dh1 = acc1.to(gl.bfloat16)
         col = pid_n * BLOCK_N
-        _dswiglu_half(words, acc0, aux_ready, aux_empty, c_ptr, stride_c, out2_ptr, stride_out2, row_c, col,
-                      end, N, N2, 0, ALPHA, LIMIT, OFFSET)
-        _dswiglu_half(words, acc1, aux_ready, aux_empty, c_ptr, stride_c, out2_ptr, stride_out2, row_c, col + BN2,
-                      end, N, N2, 1, ALPHA, LIMIT, OFFSET)
+        for j in range(2):
+            if j == 0:
+                dh = dh0
+            else:
+                dh = dh1
+            _dswiglu_half(words, dh, aux_ready, aux_empty, c_ptr, stride_c, out2_ptr, stride_out2, row,
+                          col + j * BN2, end, N, N2, j, ALPHA, LIMIT, OFFSET)
 
 
 @gluon.jit
 def _grouped_mm_ws_kernel(
-    a_desc, b_desc, c_desc,  # a (M, K) [BM, BK]; c (M, N) [BM // 2, BN] (DSWIGLU: aux's, as aux_desc)
-    # b (E, N, K) [1, BN, BK] (B_TRANS) or (E, K, N) [1, BK, BN]; DSWIGLU: BN // 2 boxes
-    aux_desc,  # DSWIGLU: aux (M, 2N) [BM // 2, BN] (else c_desc again)
+    a_desc, b_desc, c_desc,  # a (M, K) [BM, BK]; c (M, N) [BM // 2, BN]
+    # b (E, N, K) [1, BN, BK] (B_TRANS) or (E, K, N) [1, BK, BN]
     c_ptr, stride_c, out2_ptr, stride_out2,  # the outputs, by epilogue (module doc)
     bias_ptr, stride_bias, table,  # bias (E, N) or None; the row-tile table of _tile_table_kernel
-    N, N2, K,  # N2: DSWIGLU's columns of out2 (N, or N + 1 and padding for a ones column)
+    N, K,
     NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
     HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr,
     ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr,
 ):
-    B_PER_STAGE: gl.constexpr = 2 if EPILOGUE == DSWIGLU else 1
-    a_bufs, b_bufs, buf0, buf1, ready, empty = _shared_state(a_desc, b_desc, c_desc, 1, STAGES, B_PER_STAGE)
-    # DSWIGLU: each consumer's aux half is in its buffer (ready) / has been read (empty)
-    aux_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    aux_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(aux_ready.index(i), count=1)
-        mbarrier.init(aux_empty.index(i), count=1)
+    a_bufs, b_bufs, bufs, ready, empty = _shared_state(a_desc, b_desc, c_desc, 1, 1, STAGES, 2)
     tiles_n = gl.cdiv(N, c_desc.block_type.shape[1])
 
     # (argument tuples are spelled out: a tuple built with `+` turns constexprs into tensors)
-    if EPILOGUE == DSWIGLU:
-        gl.warp_specialize(
-            [
-                (_dswiglu_partition, (a_bufs, b_bufs, ready, empty, buf0, aux_ready.index(0), aux_empty.index(0),
-                                      c_ptr, stride_c, out2_ptr, stride_out2, table, N, N2, K, tiles_n,
-                                      0, NUM_SMS, GROUP_M, STAGES, B_TRANS, ALPHA, LIMIT, OFFSET)),
-                (_dswiglu_partition, (a_bufs, b_bufs, ready, empty, buf1, aux_ready.index(1), aux_empty.index(1),
-                                      c_ptr, stride_c, out2_ptr, stride_out2, table, N, N2, K, tiles_n,
-                                      1, NUM_SMS, GROUP_M, STAGES, B_TRANS, ALPHA, LIMIT, OFFSET)),
-                (_load_partition, (a_desc, b_desc, aux_desc, a_bufs, b_bufs, buf0, buf1, ready, empty, aux_ready,
-                                   aux_empty, table, K, tiles_n, NUM_SMS, GROUP_M, STAGES, B_TRANS, EPILOGUE)),
-            ],
-            [4, 1],
-            [232, 40],
-        )
-    else:
-        gl.warp_specialize(
-            [
-                (_mma_partition, (a_bufs, b_bufs, ready, empty, buf0, c_desc, c_ptr, stride_c, out2_ptr,
-                                  stride_out2, bias_ptr, stride_bias, table, N, K, tiles_n,
-                                  0, NUM_SMS, GROUP_M, STAGES, B_TRANS, HAS_BIAS, EPILOGUE, ALPHA, LIMIT, OFFSET)),
-                (_mma_partition, (a_bufs, b_bufs, ready, empty, buf1, c_desc, c_ptr, stride_c, out2_ptr,
-                                  stride_out2, bias_ptr, stride_bias, table, N, K, tiles_n,
-                                  1, NUM_SMS, GROUP_M, STAGES, B_TRANS, HAS_BIAS, EPILOGUE, ALPHA, LIMIT, OFFSET)),
-                (_load_partition, (a_desc, b_desc, aux_desc, a_bufs, b_bufs, buf0, buf1, ready, empty, aux_ready,
-                                   aux_empty, table, K, tiles_n, NUM_SMS, GROUP_M, STAGES, B_TRANS, EPILOGUE)),
-            ],
-            [4, 1],
-            [232, 40],
-        )
+    gl.warp_specialize(
+        [
+            (_mma_partition, (a_bufs, b_bufs, ready, empty, bufs.index(0), c_desc, c_ptr, stride_c, out2_ptr,
+                              stride_out2, bias_ptr, stride_bias, table, N, K, tiles_n,
+                              0, NUM_SMS, GROUP_M, STAGES, B_TRANS, HAS_BIAS, EPILOGUE, ALPHA, LIMIT, OFFSET)),
+            (_mma_partition, (a_bufs, b_bufs, ready, empty, bufs.index(1), c_desc, c_ptr, stride_c, out2_ptr,
+                              stride_out2, bias_ptr, stride_bias, table, N, K, tiles_n,
+                              1, NUM_SMS, GROUP_M, STAGES, B_TRANS, HAS_BIAS, EPILOGUE, ALPHA, LIMIT, OFFSET)),
+            (_load_partition, (a_desc, b_desc, c_desc, a_bufs, b_bufs, bufs, ready, empty, empty.index(0),
+                               empty.index(0), table, K, tiles_n, NUM_SMS, GROUP_M, STAGES, B_TRANS, EPILOGUE)),
+        ],
+        [4, 1],
+        [232, 40],
+    )
+
+
+@gluon.jit
+def _grouped_mm_ws_dswiglu_kernel(
+    a_desc, b_desc,  # a (M, K) [BM, BK]; b (E, N, K) [1, BN / 2, BK] (B_TRANS) or (E, K, N) [1, BK, BN / 2]
+    aux_desc,  # aux (M, 2N) [BM, BN]: the (gate, linear) pairs of a tile's first / second BN / 2 columns
+    c_ptr, stride_c, out2_ptr, stride_out2,  # d_aux (M, 2N) as int32 words (M, N); h (M, N2)
+    table, N, N2, K,  # the row-tile table of _tile_table_kernel; N2: h's columns (module doc)
+    NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
+    ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr,
+):
+    a_bufs, b_bufs, bufs, ready, empty = _shared_state(a_desc, b_desc, aux_desc, 1, 2, STAGES, 1)
+    # the aux half in bufs is ready / has been read
+    aux_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    aux_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(aux_ready, count=1)
+    mbarrier.init(aux_empty, count=1)
+    tiles_n = gl.cdiv(N, aux_desc.block_type.shape[1])  # BN columns of dH: 2 BN of aux, two boxes
+    gl.warp_specialize(
+        [
+            (_dswiglu_partition, (a_bufs, b_bufs, ready, empty, bufs.index(0), aux_ready, aux_empty,
+                                  c_ptr, stride_c, out2_ptr, stride_out2, table, N, N2, K, tiles_n,
+                                  NUM_SMS, GROUP_M, STAGES, B_TRANS, ALPHA, LIMIT, OFFSET)),
+            (_load_partition, (a_desc, b_desc, aux_desc, a_bufs, b_bufs, bufs, ready, empty, aux_ready, aux_empty,
+                               table, K, tiles_n, NUM_SMS, GROUP_M, STAGES, B_TRANS, DSWIGLU)),
+        ],
+        [1],
+        [40],
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -600,7 +615,7 @@ def _grouped_mm_ws_ragged_k_kernel(
 ):
     """c[g] = a[:, ks_g:ke_g] @ b[ks_g:ke_g] for the groups that offs splits the Kt dim into, rows of c
     past M_C dropped (M - 1 for COLSUM_ROW, else M); an empty group's tiles come out as zeros."""
-    a_bufs, b_bufs, buf0, buf1, ready, empty = _shared_state(a_desc, b_desc, c_desc, 2, STAGES, 1)
+    a_bufs, b_bufs, bufs, ready, empty = _shared_state(a_desc, b_desc, c_desc, 2, 1, STAGES, 2)
     if COLSUM == COLSUM_ROW:
         M_C = M - 1
     else:
@@ -614,10 +629,12 @@ def _grouped_mm_ws_ragged_k_kernel(
 
     gl.warp_specialize(
         [
-            (_k_mma_partition, (a_bufs, b_bufs, ready, empty, buf0, c_desc, colsum_ptr, stride_colsum, offs_ptr,
+            (_k_mma_partition, (a_bufs, b_bufs, ready, empty, bufs.index(0), c_desc, colsum_ptr, stride_colsum,
+                                offs_ptr,
                                 M_C, N, KT, total, tiles_m, tiles_n,
                                 0, NUM_SMS, GROUP_M, STAGES, COLSUM)),
-            (_k_mma_partition, (a_bufs, b_bufs, ready, empty, buf1, c_desc, colsum_ptr, stride_colsum, offs_ptr,
+            (_k_mma_partition, (a_bufs, b_bufs, ready, empty, bufs.index(1), c_desc, colsum_ptr, stride_colsum,
+                                offs_ptr,
                                 M_C, N, KT, total, tiles_m, tiles_n,
                                 1, NUM_SMS, GROUP_M, STAGES, COLSUM)),
             (_k_load_partition, (a_desc, ones_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, KT, total,
