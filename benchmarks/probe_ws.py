@@ -23,28 +23,28 @@ from moekit.grouped_gemm import _ragged_k, _ragged_m
 from moekit.testing import offs_from_counts, routed_counts
 
 
-def _toggled(fn, ws: bool):
+def _with_env(fn, name, value):
+    """fn run with the environment variable ``name`` set to ``value`` (unset for None)."""
     def run():
-        if ws:
-            os.environ.pop("MOEKIT_NO_WS", None)
+        if value is None:
+            os.environ.pop(name, None)
         else:
-            os.environ["MOEKIT_NO_WS"] = "1"
+            os.environ[name] = value
         try:
             return fn()
         finally:
-            os.environ.pop("MOEKIT_NO_WS", None)
+            os.environ.pop(name, None)
     return run
+
+
+def _toggled(fn, ws: bool):
+    """fn on the warp-specialized kernels (ws) or on the Triton ones."""
+    return _with_env(fn, "MOEKIT_NO_WS", None if ws else "1")
 
 
 def _fused(fn):
     """fn with the opt-in fused dSwiGLU dgrad (``config.fused_dswiglu``)."""
-    def run():
-        os.environ["MOEKIT_FUSED_DSWIGLU"] = "1"
-        try:
-            return fn()
-        finally:
-            os.environ.pop("MOEKIT_FUSED_DSWIGLU", None)
-    return run
+    return _with_env(fn, "MOEKIT_FUSED_DSWIGLU", "1")
 
 
 def _rel(a, b):

@@ -141,6 +141,13 @@ def _tile_at(t, table, tiles_n, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
+def _tile_clamped(t, total, table, tiles_n, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr):
+    """``_tile_at`` for a tile index that may be past the last tile (the prefetch of a program's next
+    tile): clamped to the last one, or to tile 0 of a zero entry when there are none."""
+    return _tile_at(gl.minimum(t, gl.maximum(total - 1, 0)), table, tiles_n, BLOCK_M, GROUP_M)
+
+
+@gluon.jit
 def _bias_row(bias_ptr, stride_bias, g, pid_n, N, BLOCK_N: gl.constexpr, acc_layout: gl.constexpr):
     """bias[g, pid_n * BLOCK_N :][:BLOCK_N] in the accumulator's column layout (zeros past N)."""
     cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
@@ -168,17 +175,16 @@ def _load_partition(a_desc, b_desc, aux_desc, a_bufs, b_bufs, bufs, ready, empty
     else:
         BOX_N: gl.constexpr = b_desc.block_type.shape[2]
     B_PER_STAGE: gl.constexpr = BLOCK_N // BOX_N
-    n_rows_tiles = gl.load(table)
-    total = n_rows_tiles * tiles_n
+    total = gl.load(table) * tiles_n
     k_iters = gl.cdiv(K, BLOCK_K)
     aux_at = gl.minimum(k_iters, STAGES) - 1  # DSWIGLU: the K step after which aux half 0 loads
     nbytes: gl.constexpr = a_desc.block_type.nbytes + B_PER_STAGE * b_desc.block_type.nbytes
     idx = 0
     phase = 1  # the first pass over the ring finds every stage free
-    nxt = _tile_at(gl.minimum(gl.program_id(0), gl.maximum(total - 1, 0)), table, tiles_n, BLOCK_M, GROUP_M)
+    nxt = _tile_clamped(gl.program_id(0), total, table, tiles_n, BLOCK_M, GROUP_M)
     for t in range(gl.program_id(0), total, NUM_SMS):
         g, row, end, pid_n = nxt
-        nxt = _tile_at(gl.minimum(t + NUM_SMS, gl.maximum(total - 1, 0)), table, tiles_n, BLOCK_M, GROUP_M)
+        nxt = _tile_clamped(t + NUM_SMS, total, table, tiles_n, BLOCK_M, GROUP_M)
         col = pid_n * BLOCK_N
         for ki in range(k_iters):
             k = ki * BLOCK_K
@@ -322,19 +328,18 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, o
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
-    n_rows_tiles = gl.load(table)
-    total = n_rows_tiles * tiles_n
+    total = gl.load(table) * tiles_n
     k_iters = gl.cdiv(K, BLOCK_K)
     idx = 0
     phase = 0
     # the next tile's table entry and bias load during this tile's main loop and epilogue, off the
     # critical path
-    nxt = _tile_at(gl.minimum(gl.program_id(0), gl.maximum(total - 1, 0)), table, tiles_n, BLOCK_M, GROUP_M)
+    nxt = _tile_clamped(gl.program_id(0), total, table, tiles_n, BLOCK_M, GROUP_M)
     if HAS_BIAS:
         bias = _bias_row(bias_ptr, stride_bias, nxt[0], nxt[3], N, BLOCK_N, acc_layout)
     for t in range(gl.program_id(0), total, NUM_SMS):
         g, row, end, pid_n = nxt
-        nxt = _tile_at(gl.minimum(t + NUM_SMS, gl.maximum(total - 1, 0)), table, tiles_n, BLOCK_M, GROUP_M)
+        nxt = _tile_clamped(t + NUM_SMS, total, table, tiles_n, BLOCK_M, GROUP_M)
         acc = gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout)
         if HAS_BIAS:  # the accumulator starts from the bias: no registers held for it in the epilogue
             acc = acc + bias.to(gl.float32)[None, :]
@@ -410,15 +415,14 @@ def _dswiglu_partition(a_bufs, b_bufs, ready, empty, buf, aux_ready, aux_empty, 
     # buf holds BLOCK_N aux columns: the (gate, linear) words of BN2 dH columns
     words = buf._reinterpret(gl.int32, [BLOCK_M, BN2],
                              gl.NVMMASharedLayout.get_default_for([BLOCK_M, BN2], gl.int32))
-    n_rows_tiles = gl.load(table)
-    total = n_rows_tiles * tiles_n
+    total = gl.load(table) * tiles_n
     k_iters = gl.cdiv(K, BLOCK_K)
     idx = 0
     phase = 0
-    nxt = _tile_at(gl.minimum(gl.program_id(0), gl.maximum(total - 1, 0)), table, tiles_n, BLOCK_M, GROUP_M)
+    nxt = _tile_clamped(gl.program_id(0), total, table, tiles_n, BLOCK_M, GROUP_M)
     for t in range(gl.program_id(0), total, NUM_SMS):
         g, row, end, pid_n = nxt
-        nxt = _tile_at(gl.minimum(t + NUM_SMS, gl.maximum(total - 1, 0)), table, tiles_n, BLOCK_M, GROUP_M)
+        nxt = _tile_clamped(t + NUM_SMS, total, table, tiles_n, BLOCK_M, GROUP_M)
         acc0 = warpgroup_mma_init(gl.zeros([BLOCK_M, BN2], gl.float32, acc_layout))
         acc1 = warpgroup_mma_init(gl.zeros([BLOCK_M, BN2], gl.float32, acc_layout))
         for ki in range(k_iters):
