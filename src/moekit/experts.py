@@ -7,7 +7,7 @@ Forward: one grouped GEMM computes ``aux = x @ w_up[g] + b_up[g]`` (M, 2F) and `
 
 Backward (the fused-only contract): the gradient flows through ``aux``, not ``h``. The down-projection
 dgrad computes dH = dOut @ w_down^T, and one pass turns (aux, dH) into d_aux = dSwiGLU(aux) * dH and a
-recomputed h (``grouped_mm_dswiglu`` says why this is not the GEMM's epilogue); then
+recomputed h (the GEMM's own epilogue can do it, opt-in and slower: ``grouped_mm_dswiglu``); then
 dW_down = h^T @ dOut, dX = d_aux @ w_up^T, dW_up = x^T @ d_aux. The bias gradients are per-expert
 column sums: db_down comes out of the dW_down GEMM through a column of ones appended to h; db_up
 comes out of the dW_up GEMM on Hopper when D % 128 == 64 (a constant row of ones that the
@@ -152,14 +152,12 @@ def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = Fal
     m, two_f = aux.shape
     f = two_f // 2
     w_t = w.mT
-    if config.fused_dswiglu() and not spec.halves and m and f:
-        h_cols = triton.cdiv(f + 1, 64) * 64 if ones_col else f  # as swiglu_bwd pads it
+    h_cols = triton.cdiv(f + 1, 64) * 64 if ones_col else f  # as swiglu_bwd pads it
+    if config.fused_dswiglu() and not spec.halves and m and f and ws_dswiglu_ok(grad, w_t, aux, h_cols):
         d_aux = config.empty((m, two_f), dtype=aux.dtype, device=aux.device)
         h = config.empty((m, h_cols), dtype=aux.dtype, device=aux.device)
-        if ws_dswiglu_ok(grad, w_t, aux, d_aux, h):
-            ws_gemm(grad, w_t, offs, d_aux, epilogue=WS_DSWIGLU, out2=h, aux=aux, spec=spec)
-            return d_aux, h[:, : f + 1] if ones_col else h
-        del d_aux, h
+        ws_gemm(grad, w_t, offs, d_aux, epilogue=WS_DSWIGLU, out2=h, aux=aux, spec=spec)
+        return d_aux, h[:, : f + 1] if ones_col else h
     dh = grouped_mm_fwd(grad, w_t, offs)
     return swiglu_bwd(aux, dh, spec, with_h=True, ones_col=ones_col)
 

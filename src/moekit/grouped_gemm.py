@@ -204,12 +204,13 @@ def _ws_rows_ragged(a, b, out, b_trans: bool) -> bool:
             and ws_ok(a, b, out))
 
 
-def ws_dswiglu_ok(a, b, aux, d_aux, h) -> bool:
+def ws_dswiglu_ok(a, b, aux, h_cols: int) -> bool:
     """Whether the down-projection's dgrad a (M, K) @ b (E, K, N) takes the warp-specialized kernel
-    with the dSwiGLU epilogue (``ws_gemm(..., epilogue=WS_DSWIGLU)``) into d_aux and h (M, N2)."""
+    with the dSwiGLU epilogue (``ws_gemm(..., epilogue=WS_DSWIGLU)``), writing into fresh row-major
+    d_aux (M, 2N) and h (M, h_cols) (d_aux's rows are aux's)."""
     (m, _), (e, _, n) = a.shape, b.shape
-    return (m >= _WS_MIN_ROWS * e and h.shape[1] <= triton.cdiv(n, _WS_TILE[1]) * _WS_TILE[1]
-            and ws_ok(a, b, aux, d_aux, h))
+    return (m >= _WS_MIN_ROWS * e and h_cols <= triton.cdiv(n, _WS_TILE[1]) * _WS_TILE[1]
+            and all(cols * a.element_size() % _ALIGN == 0 for cols in (aux.shape[1], h_cols)) and ws_ok(a, b, aux))
 
 
 def _ws_desc(t, shape, strides, block):

@@ -199,10 +199,7 @@ def _load_partition(a_desc, b_desc, aux_desc, a_bufs, b_bufs, bufs, ready, empty
                 else:  # memory (E, K, N)
                     tma.async_copy_global_to_shared(b_desc, [g, k, col + j * BOX_N], bar,
                                                     b_bufs.index(B_PER_STAGE * idx + j))
-            idx += 1
-            if idx == STAGES:
-                idx = 0
-                phase ^= 1
+            idx, phase = _advance(idx, phase, STAGES)
             if EPILOGUE == DSWIGLU:
                 if ki == aux_at:  # early enough to land during the main loop, after its first stages
                     _load_aux_half(aux_desc, bufs.index(0), aux_ready, aux_empty, row, 2 * col, 0)
@@ -230,28 +227,33 @@ def _shared_state(a_desc, b_desc, c_desc, A_PER_STAGE: gl.constexpr, B_PER_STAGE
 
 
 @gluon.jit
+def _free_previous(empty, idx, pred, STAGES: gl.constexpr):
+    """Free the ring stage before stage idx, whose wgmma the caller has waited for."""
+    # the stage to free is computed, not carried: Triton 3.6 hoisted a loop-carried `prev = idx`
+    # out of the K loop as if it were invariant
+    mbarrier.arrive(empty.index(gl.where(idx == 0, STAGES - 1, idx - 1)), pred=pred)
+
+
+@gluon.jit
+def _advance(idx, phase, STAGES: gl.constexpr):
+    """The ring position after stage idx: (idx, phase)."""
+    idx += 1
+    if idx == STAGES:
+        idx = 0
+        phase ^= 1
+    return idx, phase
+
+
+@gluon.jit
 def _ring_mma(a, b, acc, ready, empty, idx, phase, ki, STAGES: gl.constexpr):
     """One consumer step over the ring: wait for stage idx, issue its wgmma (a, b are views of that
     stage), and free the stage of the MMA before it once that one is done. Returns (acc, idx, phase)."""
     mbarrier.wait(ready.index(idx), phase)
     acc = warpgroup_mma(a, b, acc, is_async=True)
     warpgroup_mma_wait(1, deps=(acc,))
-    # the stage to free is computed, not carried: Triton 3.6 hoisted a loop-carried `prev = idx`
-    # out of the K loop as if it were invariant
-    mbarrier.arrive(empty.index(gl.where(idx == 0, STAGES - 1, idx - 1)), pred=ki > 0)
-    idx += 1
-    if idx == STAGES:
-        idx = 0
-        phase ^= 1
+    _free_previous(empty, idx, ki > 0, STAGES)
+    idx, phase = _advance(idx, phase, STAGES)
     return acc, idx, phase
-
-
-@gluon.jit
-def _ring_drain(acc, empty, idx, k_iters, STAGES: gl.constexpr):
-    """After a tile's K loop: wait for its last wgmma and free that stage (none if k_iters == 0)."""
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    mbarrier.arrive(empty.index(gl.where(idx == 0, STAGES - 1, idx - 1)), pred=k_iters > 0)
-    return acc
 
 
 @gluon.jit
@@ -261,12 +263,17 @@ def _ring_mma2(a, b0, b1, acc0, acc1, ready, empty, idx, phase, ki, STAGES: gl.c
     acc0 = warpgroup_mma(a, b0, acc0, is_async=True)
     acc1 = warpgroup_mma(a, b1, acc1, is_async=True)
     warpgroup_mma_wait(2, deps=(acc0, acc1))
-    mbarrier.arrive(empty.index(gl.where(idx == 0, STAGES - 1, idx - 1)), pred=ki > 0)
-    idx += 1
-    if idx == STAGES:
-        idx = 0
-        phase ^= 1
+    _free_previous(empty, idx, ki > 0, STAGES)
+    idx, phase = _advance(idx, phase, STAGES)
     return acc0, acc1, idx, phase
+
+
+@gluon.jit
+def _ring_drain(acc, empty, idx, k_iters, STAGES: gl.constexpr):
+    """After a tile's K loop: wait for its last wgmma and free that stage (none if k_iters == 0)."""
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    _free_previous(empty, idx, k_iters > 0, STAGES)
+    return acc
 
 
 @gluon.jit
@@ -434,8 +441,8 @@ def _dswiglu_partition(a_bufs, b_bufs, ready, empty, buf, aux_ready, aux_empty, 
                 b1 = b_bufs.index(2 * idx + 1).reshape([BLOCK_K, BN2])
             acc0, acc1, idx, phase = _ring_mma2(a_bufs.index(idx), b0, b1, acc0, acc1, ready, empty, idx, phase,
                                                 ki, STAGES)
-        acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
-        mbarrier.arrive(empty.index(gl.where(idx == 0, STAGES - 1, idx - 1)), pred=k_iters > 0)
+        acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))  # _ring_drain for the two accumulators
+        _free_previous(empty, idx, k_iters > 0, STAGES)
         # dH rounded to bf16 (as a stored dH would be): half the registers of the accumulators, so
         # that picking a half in the runtime loop below does not spill
         dh0 = acc0.to(gl.bfloat16)
@@ -556,10 +563,7 @@ def _k_load_partition(a_desc, ones_desc, b_desc, a_bufs, b_bufs, ready, empty, o
                                                 a_bufs.index(2 * idx + 1))
             tma.async_copy_global_to_shared(b_desc, [ROW_BOUND_BIG, k_end, big_k + k, col], bar,
                                             b_bufs.index(idx))
-            idx += 1
-            if idx == STAGES:
-                idx = 0
-                phase ^= 1
+            idx, phase = _advance(idx, phase, STAGES)
 
 
 @gluon.jit
