@@ -19,7 +19,7 @@ from moekit import config
 from moekit.bench import SHAPES, environment, interleaved_ms
 from moekit.epilogue import SwiGLU
 from moekit.experts import grouped_mm_dswiglu, grouped_mm_swiglu_fwd, swiglu_bwd
-from moekit.grouped_gemm import _ragged_k, _ragged_m
+from moekit.grouped_gemm import _ragged_k, _ragged_m, ws_gemm
 from moekit.testing import offs_from_counts, routed_counts
 
 
@@ -84,6 +84,11 @@ def probe_shape(name, spec, only=()):
     )
     problems["dX (dgrad)"] = (lambda: _ragged_m(aux, w_up.mT, offs, bf16, None), 4 * m * d * f,
                               lambda: aux @ w_up[0].mT, lambda: torch._grouped_mm(aux, w_up.mT, offs))
+    dx_out = torch.empty(m, d, device="cuda", dtype=bf16)
+    problems["dX on ws (dgrad)"] = (  # dX as the Gluon kernel would run it ("triton": what ships)
+        lambda: (ws_gemm(aux, w_up.mT, offs, dx_out) if config.use_warp_specialized(dx_out.device)
+                 else _ragged_m(aux, w_up.mT, offs, bf16, None)), 4 * m * d * f,
+        lambda: aux @ w_up[0].mT, lambda: torch._grouped_mm(aux, w_up.mT, offs))
     problems["dW_up (wgrad)"] = (lambda: _ragged_k(x.mT, aux, offs, torch.bfloat16, None), 2 * m * d * 2 * f,
                                  lambda: x.mT @ aux, lambda: torch._grouped_mm(x.mT, aux, offs))
     problems["dW_down (wgrad)"] = (lambda: _ragged_k(h.mT, dy, offs, torch.bfloat16, None), 2 * m * d * f,

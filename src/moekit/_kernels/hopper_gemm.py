@@ -72,6 +72,7 @@ COLSUM_NONE = tl.constexpr(0)  # the column-sum modes of the ragged-K kernel
 COLSUM_ROW = tl.constexpr(1)
 COLSUM_VIRTUAL = tl.constexpr(2)
 EPI_ROWS = tl.constexpr(16)  # rows per step of the epilogue
+TILE_SLOTS = tl.constexpr(2)  # tile indices in flight from the loader warp to the consumers
 
 
 # --------------------------------------------------------------------------------------------------
@@ -82,8 +83,9 @@ def _tile_table_kernel(
     offs_ptr, table_ptr, c_ptr, c2_ptr, M, N, N2, E, stride_cm, stride_c2m, max_tiles,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_Z: tl.constexpr,
 ):
-    """table[0] = number of row tiles; table[4 + 4i : 8 + 4i] = (group, group start row, group end
-    row, the group's first row tile) for row tile i, the rows clamped to [0, M] as in ``_group_table``.
+    """table[0] = number of row tiles; table[1] = 0, the counter that the GEMM's programs take their
+    tiles from; table[4 + 4i : 8 + 4i] = (group, group start row, group end row, the group's first
+    row tile) for row tile i, the rows clamped to [0, M] as in ``_group_table``.
 
     Also zero-fills the rows [offs[-1], M) of c (M, N) and c2 (M, N2), the rows of no group."""
     pid = tl.program_id(0)
@@ -94,6 +96,7 @@ def _tile_table_kernel(
     total = tl.sum(tiles, 0)
     if pid == 0:
         tl.store(table_ptr, total)
+        tl.store(table_ptr + 1, 0)
     i = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     g = tl.sum((tiles_end[None, :] <= i[:, None]).to(tl.int32), 1)
     hit = e[None, :] == g[:, None]
@@ -148,9 +151,44 @@ def _tile_clamped(t, total, table, tiles_n, BLOCK_M: gl.constexpr, GROUP_M: gl.c
 
 
 @gluon.jit
-def _bias_row(bias_ptr, stride_bias, g, pid_n, N, BLOCK_N: gl.constexpr, acc_layout: gl.constexpr):
-    """bias[g, pid_n * BLOCK_N :][:BLOCK_N] in the accumulator's column layout (zeros past N)."""
-    cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+def _tile_ring(CONSUMERS: gl.constexpr):
+    """The barriers of the dynamic schedule's tile ring: TILE_SLOTS slots of tile indices that the
+    loader warp takes from the counter in table[1] and hands to the consumer partitions."""
+    tile_ready = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
+    tile_empty = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(TILE_SLOTS):
+        mbarrier.init(tile_ready.index(i), count=1)
+        mbarrier.init(tile_empty.index(i), count=CONSUMERS)
+    return tile_ready, tile_empty
+
+
+@gluon.jit
+def _next_tile(table, ids, tile_ready, tile_empty, slot, phase):
+    """Loader: take the next tile index from the counter table[1] and hand it to the consumers in
+    slot ``slot`` of this program's ids (global memory: a scalar read back from shared memory would
+    need a reduction, which Triton 3.6's axis analysis does not follow). Returns (t, slot, phase)."""
+    t = gl.atomic_add(table + 1, 1, sem="relaxed")
+    mbarrier.wait(tile_empty.index(slot), phase)
+    gl.store(ids + gl.program_id(0) * TILE_SLOTS + slot, t)
+    mbarrier.arrive(tile_ready.index(slot))  # (release: the store is visible to the waiting consumers)
+    slot, phase = _advance(slot, phase, TILE_SLOTS)
+    return t, slot, phase
+
+
+@gluon.jit
+def _take_tile(ids, tile_ready, tile_empty, slot, phase):
+    """Consumer: the next tile index that the loader handed over. Returns (t, slot, phase)."""
+    mbarrier.wait(tile_ready.index(slot), phase)
+    t = gl.load(ids + gl.program_id(0) * TILE_SLOTS + slot, volatile=True)
+    mbarrier.arrive(tile_empty.index(slot))
+    slot, phase = _advance(slot, phase, TILE_SLOTS)
+    return t, slot, phase
+
+
+@gluon.jit
+def _bias_row(bias_ptr, stride_bias, g, col, N, BLOCK_N: gl.constexpr, acc_layout: gl.constexpr):
+    """bias[g, col : col + BLOCK_N] in the accumulator's column layout (zeros past N)."""
+    cols = col + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
     return gl.load(bias_ptr + g.to(gl.int64) * stride_bias + cols, mask=cols < N, other=0.0)
 
 
@@ -164,9 +202,9 @@ def _load_aux_half(aux_desc, buf, aux_ready, aux_empty, row, col, HALF_J: gl.con
 
 
 @gluon.jit
-def _load_partition(a_desc, b_desc, aux_desc, a_bufs, b_bufs, bufs, ready, empty, aux_ready, aux_empty,
-                    table, K, tiles_n, NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                    B_TRANS: gl.constexpr, EPILOGUE: gl.constexpr):
+def _load_partition(a_desc, b_desc, bn_desc, aux_desc, a_bufs, b_bufs, bufs, ready, empty, aux_ready, aux_empty,
+                    ids, tile_ready, tile_empty, table, K, tiles_n, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                    B_TRANS: gl.constexpr, NARROW: gl.constexpr, EPILOGUE: gl.constexpr):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = bufs.shape[2]  # of the output tile; DSWIGLU loads B in two boxes
@@ -179,26 +217,43 @@ def _load_partition(a_desc, b_desc, aux_desc, a_bufs, b_bufs, bufs, ready, empty
     k_iters = gl.cdiv(K, BLOCK_K)
     aux_at = gl.minimum(k_iters, STAGES) - 1  # DSWIGLU: the K step after which aux half 0 loads
     nbytes: gl.constexpr = a_desc.block_type.nbytes + B_PER_STAGE * b_desc.block_type.nbytes
+    nbytes_narrow: gl.constexpr = a_desc.block_type.nbytes + bn_desc.block_type.nbytes
     idx = 0
     phase = 1  # the first pass over the ring finds every stage free
-    nxt = _tile_clamped(gl.program_id(0), total, table, tiles_n, BLOCK_M, GROUP_M)
-    for t in range(gl.program_id(0), total, NUM_SMS):
+    slot = 0
+    slot_phase = 1
+    # the next tile is taken when this one starts, and its table entry loads during this one
+    t, slot, slot_phase = _next_tile(table, ids, tile_ready, tile_empty, slot, slot_phase)
+    nxt = _tile_clamped(t, total, table, tiles_n, BLOCK_M, GROUP_M)
+    while t < total:
         g, row, end, pid_n = nxt
-        nxt = _tile_clamped(t + NUM_SMS, total, table, tiles_n, BLOCK_M, GROUP_M)
+        t, slot, slot_phase = _next_tile(table, ids, tile_ready, tile_empty, slot, slot_phase)
+        nxt = _tile_clamped(t, total, table, tiles_n, BLOCK_M, GROUP_M)
         col = pid_n * BLOCK_N
+        narrow = (pid_n == tiles_n - 1) & (NARROW > 0)
         for ki in range(k_iters):
             k = ki * BLOCK_K
             mbarrier.wait(empty.index(idx), phase)
             bar = ready.index(idx)
-            mbarrier.expect(bar, nbytes)
-            tma.async_copy_global_to_shared(a_desc, [row, k], bar, a_bufs.index(idx))
-            for j in gl.static_range(B_PER_STAGE):
-                if B_TRANS:  # memory (E, N, K)
-                    tma.async_copy_global_to_shared(b_desc, [g, col + j * BOX_N, k], bar,
-                                                    b_bufs.index(B_PER_STAGE * idx + j))
-                else:  # memory (E, K, N)
-                    tma.async_copy_global_to_shared(b_desc, [g, k, col + j * BOX_N], bar,
-                                                    b_bufs.index(B_PER_STAGE * idx + j))
+            if (NARROW > 0) and narrow:  # the last column tile: one NARROW-wide B box
+                mbarrier.expect(bar, nbytes_narrow)
+                tma.async_copy_global_to_shared(a_desc, [row, k], bar, a_bufs.index(idx))
+                nb = b_bufs.index(B_PER_STAGE * idx)._reinterpret(bn_desc.dtype, bn_desc.block_type.shape,
+                                                                  bn_desc.layout)
+                if B_TRANS:
+                    tma.async_copy_global_to_shared(bn_desc, [g, col, k], bar, nb)
+                else:
+                    tma.async_copy_global_to_shared(bn_desc, [g, k, col], bar, nb)
+            else:
+                mbarrier.expect(bar, nbytes)
+                tma.async_copy_global_to_shared(a_desc, [row, k], bar, a_bufs.index(idx))
+                for j in gl.static_range(B_PER_STAGE):
+                    if B_TRANS:  # memory (E, N, K)
+                        tma.async_copy_global_to_shared(b_desc, [g, col + j * BOX_N, k], bar,
+                                                        b_bufs.index(B_PER_STAGE * idx + j))
+                    else:  # memory (E, K, N)
+                        tma.async_copy_global_to_shared(b_desc, [g, k, col + j * BOX_N], bar,
+                                                        b_bufs.index(B_PER_STAGE * idx + j))
             idx, phase = _advance(idx, phase, STAGES)
             if EPILOGUE == DSWIGLU:
                 if ki == aux_at:  # early enough to land during the main loop, after its first stages
@@ -321,13 +376,97 @@ def _epilogue(buf, c_desc, c_ptr, stride_c, out2_ptr, stride_out2, row, end, pid
 
 
 @gluon.jit
-def _mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, out2_ptr, stride_out2,
-                   bias_ptr, stride_bias, table, N, K, tiles_n,
-                   CONSUMER: gl.constexpr, NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr,
-                   STAGES: gl.constexpr, B_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr,
+def _ring_skip(ready, empty, idx, phase, k_iters, STAGES: gl.constexpr):
+    """A consumer with no rows in a tile: pass over its K steps, freeing each stage as it lands."""
+    for _ in range(k_iters):
+        mbarrier.wait(ready.index(idx), phase)
+        mbarrier.arrive(empty.index(idx))
+        idx, phase = _advance(idx, phase, STAGES)
+    return idx, phase
+
+
+@gluon.jit
+def _narrow_tile(a_bufs, b_bufs, bn_desc, ready, empty, c_ptr, stride_c, bias_ptr, stride_bias, g, row, end, col,
+                 N, k_iters, idx, phase, CONSUMER: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
+                 HAS_BIAS: gl.constexpr):
+    """One consumer's rows of the last column tile when it is NARROW columns wide: NARROW-wide wgmmas
+    on the B box that the loader staged at the start of each stage, stored from registers (the
+    64 x 256 epilogue buffer and its TMA store are not used). Returns (idx, phase)."""
+    BLOCK_M: gl.constexpr = a_bufs.shape[1]
+    HALF: gl.constexpr = BLOCK_M // 2
+    BLOCK_K: gl.constexpr = a_bufs.shape[2]
+    if B_TRANS:
+        NB: gl.constexpr = bn_desc.block_type.shape[1]
+    else:
+        NB: gl.constexpr = bn_desc.block_type.shape[2]
+    B_PER_STAGE: gl.constexpr = 1
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NB, 16])
+    if HAS_BIAS:  # its latency hides under the main loop
+        bias = _bias_row(bias_ptr, stride_bias, g, col, N, NB, layout)
+    acc = warpgroup_mma_init(gl.zeros([HALF, NB], gl.float32, layout))
+    for ki in range(k_iters):
+        nb = b_bufs.index(B_PER_STAGE * idx)._reinterpret(bn_desc.dtype, bn_desc.block_type.shape, bn_desc.layout)
+        if B_TRANS:
+            b = nb.reshape([NB, BLOCK_K]).permute((1, 0))
+        else:
+            b = nb.reshape([BLOCK_K, NB])
+        a = a_bufs.index(idx).slice(CONSUMER * HALF, HALF, dim=0)
+        acc, idx, phase = _ring_mma(a, b, acc, ready, empty, idx, phase, ki, STAGES)
+    acc = _ring_drain(acc, empty, idx, k_iters, STAGES)
+    if HAS_BIAS:
+        acc = acc + bias.to(gl.float32)[None, :]
+    rows = row + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))
+    cols = col + gl.arange(0, NB, layout=gl.SliceLayout(0, layout))
+    gl.store(c_ptr + rows.to(gl.int64)[:, None] * stride_c + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=(rows[:, None] < end) & (cols[None, :] < N))
+    return idx, phase
+
+
+@gluon.jit
+def _wide_tile(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, out2_ptr, stride_out2,
+               bias_ptr, stride_bias, bias, row, end, pid_n, nxt, N, k_iters, idx, phase,
+               CONSUMER: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
+               HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr,
+               OFFSET: gl.constexpr):
+    """One consumer's rows [row, row + HALF) of a BLOCK_N-wide tile: main loop and epilogue, and the
+    bias of the next tile (nxt) loaded before the epilogue. Returns (idx, phase, bias)."""
+    HALF: gl.constexpr = buf.shape[0]
+    BLOCK_N: gl.constexpr = buf.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.shape[2]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    acc = gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout)
+    if HAS_BIAS:  # the accumulator starts from the bias: no registers held for it in the epilogue
+        acc = acc + bias.to(gl.float32)[None, :]
+    acc = warpgroup_mma_init(acc)
+    for ki in range(k_iters):
+        if B_TRANS:
+            b = b_bufs.index(idx).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
+        else:
+            b = b_bufs.index(idx).reshape([BLOCK_K, BLOCK_N])
+        a = a_bufs.index(idx).slice(CONSUMER * HALF, HALF, dim=0)
+        acc, idx, phase = _ring_mma(a, b, acc, ready, empty, idx, phase, ki, STAGES)
+    acc = _ring_drain(acc, empty, idx, k_iters, STAGES)
+    if HAS_BIAS:
+        bias = _bias_row(bias_ptr, stride_bias, nxt[0], nxt[3] * BLOCK_N, N, BLOCK_N, acc_layout)
+    tma.store_wait(0)  # the previous tile's TMA store has read buf
+    buf.store(acc.to(buf.dtype))
+    fence_async_shared()
+    _epilogue(buf, c_desc, c_ptr, stride_c, out2_ptr, stride_out2, row, end, pid_n, N,
+              EPILOGUE, ALPHA, LIMIT, OFFSET)
+    return idx, phase, bias
+
+
+@gluon.jit
+def _mma_partition(a_bufs, b_bufs, bn_desc, ready, empty, ids, tile_ready, tile_empty, buf, c_desc, c_ptr, stride_c,
+                   out2_ptr, stride_out2, bias_ptr, stride_bias, table, N, K, tiles_n,
+                   CONSUMER: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
+                   NARROW: gl.constexpr, HAS_BIAS: gl.constexpr,
                    EPILOGUE: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr):
     """Consumer warpgroup CONSUMER: rows [CONSUMER * HALF, (CONSUMER + 1) * HALF) of every tile,
-    main loop then epilogue."""
+    main loop then epilogue. A consumer whose rows all lie past the tile's group end only passes
+    over the ring, so that a group's last row tile costs half when it has <= HALF rows."""
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     HALF: gl.constexpr = BLOCK_M // 2
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
@@ -339,33 +478,42 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, o
     k_iters = gl.cdiv(K, BLOCK_K)
     idx = 0
     phase = 0
-    # the next tile's table entry and bias load during this tile's main loop and epilogue, off the
-    # critical path
-    nxt = _tile_clamped(gl.program_id(0), total, table, tiles_n, BLOCK_M, GROUP_M)
+    slot = 0
+    slot_phase = 0
+    # the next tile's index arrives when this one starts; its table entry and bias load during this
+    # tile's main loop and epilogue, off the critical path
+    t, slot, slot_phase = _take_tile(ids, tile_ready, tile_empty, slot, slot_phase)
+    nxt = _tile_clamped(t, total, table, tiles_n, BLOCK_M, GROUP_M)
     if HAS_BIAS:
-        bias = _bias_row(bias_ptr, stride_bias, nxt[0], nxt[3], N, BLOCK_N, acc_layout)
-    for t in range(gl.program_id(0), total, NUM_SMS):
-        g, row, end, pid_n = nxt
-        nxt = _tile_clamped(t + NUM_SMS, total, table, tiles_n, BLOCK_M, GROUP_M)
-        acc = gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout)
-        if HAS_BIAS:  # the accumulator starts from the bias: no registers held for it in the epilogue
-            acc = acc + bias.to(gl.float32)[None, :]
-        acc = warpgroup_mma_init(acc)
-        for ki in range(k_iters):
-            if B_TRANS:
-                b = b_bufs.index(idx).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
+        bias = _bias_row(bias_ptr, stride_bias, nxt[0], nxt[3] * BLOCK_N, N, BLOCK_N, acc_layout)
+    else:
+        bias = 0.0
+    while t < total:
+        g, tile_row, end, pid_n = nxt
+        t, slot, slot_phase = _take_tile(ids, tile_ready, tile_empty, slot, slot_phase)
+        nxt = _tile_clamped(t, total, table, tiles_n, BLOCK_M, GROUP_M)
+        row = tile_row + CONSUMER * HALF
+        if row >= end:  # no rows of this consumer in the tile (CONSUMER 1 in a group's last tile)
+            idx, phase = _ring_skip(ready, empty, idx, phase, k_iters, STAGES)
+            if HAS_BIAS:
+                bias = _bias_row(bias_ptr, stride_bias, nxt[0], nxt[3] * BLOCK_N, N, BLOCK_N, acc_layout)
+        elif NARROW > 0:  # (constexpr: kernels without a narrow tile do not compile its path)
+            if pid_n == tiles_n - 1:
+                idx, phase = _narrow_tile(a_bufs, b_bufs, bn_desc, ready, empty, c_ptr, stride_c, bias_ptr,
+                                          stride_bias, g, row, end, pid_n * BLOCK_N, N, k_iters, idx, phase,
+                                          CONSUMER, STAGES, B_TRANS, HAS_BIAS)
+                if HAS_BIAS:
+                    bias = _bias_row(bias_ptr, stride_bias, nxt[0], nxt[3] * BLOCK_N, N, BLOCK_N, acc_layout)
             else:
-                b = b_bufs.index(idx).reshape([BLOCK_K, BLOCK_N])
-            a = a_bufs.index(idx).slice(CONSUMER * HALF, HALF, dim=0)
-            acc, idx, phase = _ring_mma(a, b, acc, ready, empty, idx, phase, ki, STAGES)
-        acc = _ring_drain(acc, empty, idx, k_iters, STAGES)
-        if HAS_BIAS:
-            bias = _bias_row(bias_ptr, stride_bias, nxt[0], nxt[3], N, BLOCK_N, acc_layout)
-        tma.store_wait(0)  # the previous tile's TMA store has read buf
-        buf.store(acc.to(buf.dtype))
-        fence_async_shared()
-        _epilogue(buf, c_desc, c_ptr, stride_c, out2_ptr, stride_out2, row + CONSUMER * HALF, end, pid_n, N,
-                  EPILOGUE, ALPHA, LIMIT, OFFSET)
+                idx, phase, bias = _wide_tile(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, out2_ptr,
+                                              stride_out2, bias_ptr, stride_bias, bias, row, end, pid_n, nxt, N,
+                                              k_iters, idx, phase, CONSUMER, STAGES, B_TRANS, HAS_BIAS, EPILOGUE,
+                                              ALPHA, LIMIT, OFFSET)
+        else:
+            idx, phase, bias = _wide_tile(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, out2_ptr,
+                                          stride_out2, bias_ptr, stride_bias, bias, row, end, pid_n, nxt, N,
+                                          k_iters, idx, phase, CONSUMER, STAGES, B_TRANS, HAS_BIAS, EPILOGUE,
+                                          ALPHA, LIMIT, OFFSET)
     tma.store_wait(0)
 
 
@@ -403,9 +551,9 @@ def _dswiglu_half(words, dh, aux_ready, aux_empty, c_ptr, stride_c, out2_ptr, st
 
 
 @gluon.jit
-def _dswiglu_partition(a_bufs, b_bufs, ready, empty, buf, aux_ready, aux_empty, c_ptr, stride_c, out2_ptr,
-                       stride_out2, table, N, N2, K, tiles_n,
-                       NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
+def _dswiglu_partition(a_bufs, b_bufs, ready, empty, ids, tile_ready, tile_empty, buf, aux_ready, aux_empty, c_ptr,
+                       stride_c, out2_ptr, stride_out2, table, N, N2, K, tiles_n,
+                       GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
                        ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr):
     """DSWIGLU consumer: one partition of two warpgroups (64 rows each, as the other kernels' two
     consumer partitions) holding the tile in two column halves (two accumulators, one B box each),
@@ -426,10 +574,14 @@ def _dswiglu_partition(a_bufs, b_bufs, ready, empty, buf, aux_ready, aux_empty, 
     k_iters = gl.cdiv(K, BLOCK_K)
     idx = 0
     phase = 0
-    nxt = _tile_clamped(gl.program_id(0), total, table, tiles_n, BLOCK_M, GROUP_M)
-    for t in range(gl.program_id(0), total, NUM_SMS):
+    slot = 0
+    slot_phase = 0
+    t, slot, slot_phase = _take_tile(ids, tile_ready, tile_empty, slot, slot_phase)
+    nxt = _tile_clamped(t, total, table, tiles_n, BLOCK_M, GROUP_M)
+    while t < total:
         g, row, end, pid_n = nxt
-        nxt = _tile_clamped(t + NUM_SMS, total, table, tiles_n, BLOCK_M, GROUP_M)
+        t, slot, slot_phase = _take_tile(ids, tile_ready, tile_empty, slot, slot_phase)
+        nxt = _tile_clamped(t, total, table, tiles_n, BLOCK_M, GROUP_M)
         acc0 = warpgroup_mma_init(gl.zeros([BLOCK_M, BN2], gl.float32, acc_layout))
         acc1 = warpgroup_mma_init(gl.zeros([BLOCK_M, BN2], gl.float32, acc_layout))
         for ki in range(k_iters):
@@ -461,27 +613,35 @@ def _dswiglu_partition(a_bufs, b_bufs, ready, empty, buf, aux_ready, aux_empty, 
 def _grouped_mm_ws_kernel(
     a_desc, b_desc, c_desc,  # a (M, K) [BM, BK]; c (M, N) [BM // 2, BN]
     # b (E, N, K) [1, BN, BK] (B_TRANS) or (E, K, N) [1, BK, BN]
+    bn_desc,  # NARROW: b again with a [1, NARROW, BK] or [1, BK, NARROW] box (else b_desc)
     c_ptr, stride_c, out2_ptr, stride_out2,  # the outputs, by epilogue (module doc)
     bias_ptr, stride_bias, table,  # bias (E, N) or None; the row-tile table of _tile_table_kernel
+    ids,  # (programs * TILE_SLOTS,) int32 scratch: the tile indices that the loader hands over
     N, K,
-    NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
+    GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr, NARROW: gl.constexpr,
     HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr,
     ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr,
 ):
     a_bufs, b_bufs, bufs, ready, empty = _shared_state(a_desc, b_desc, c_desc, 1, 1, STAGES, 2)
+    tile_ready, tile_empty = _tile_ring(2)
     tiles_n = gl.cdiv(N, c_desc.block_type.shape[1])
+    if NARROW == 0:  # (an unused descriptor captured by the partitions fails to lower)
+        bn_desc = b_desc
 
     # (argument tuples are spelled out: a tuple built with `+` turns constexprs into tensors)
     gl.warp_specialize(
         [
-            (_mma_partition, (a_bufs, b_bufs, ready, empty, bufs.index(0), c_desc, c_ptr, stride_c, out2_ptr,
-                              stride_out2, bias_ptr, stride_bias, table, N, K, tiles_n,
-                              0, NUM_SMS, GROUP_M, STAGES, B_TRANS, HAS_BIAS, EPILOGUE, ALPHA, LIMIT, OFFSET)),
-            (_mma_partition, (a_bufs, b_bufs, ready, empty, bufs.index(1), c_desc, c_ptr, stride_c, out2_ptr,
-                              stride_out2, bias_ptr, stride_bias, table, N, K, tiles_n,
-                              1, NUM_SMS, GROUP_M, STAGES, B_TRANS, HAS_BIAS, EPILOGUE, ALPHA, LIMIT, OFFSET)),
-            (_load_partition, (a_desc, b_desc, c_desc, a_bufs, b_bufs, bufs, ready, empty, empty.index(0),
-                               empty.index(0), table, K, tiles_n, NUM_SMS, GROUP_M, STAGES, B_TRANS, EPILOGUE)),
+            (_mma_partition, (a_bufs, b_bufs, bn_desc, ready, empty, ids, tile_ready, tile_empty, bufs.index(0),
+                              c_desc, c_ptr, stride_c, out2_ptr, stride_out2, bias_ptr, stride_bias, table,
+                              N, K, tiles_n, 0, GROUP_M, STAGES, B_TRANS, NARROW, HAS_BIAS, EPILOGUE,
+                              ALPHA, LIMIT, OFFSET)),
+            (_mma_partition, (a_bufs, b_bufs, bn_desc, ready, empty, ids, tile_ready, tile_empty, bufs.index(1),
+                              c_desc, c_ptr, stride_c, out2_ptr, stride_out2, bias_ptr, stride_bias, table,
+                              N, K, tiles_n, 1, GROUP_M, STAGES, B_TRANS, NARROW, HAS_BIAS, EPILOGUE,
+                              ALPHA, LIMIT, OFFSET)),
+            (_load_partition, (a_desc, b_desc, bn_desc, c_desc, a_bufs, b_bufs, bufs, ready, empty, empty.index(0),
+                               empty.index(0), ids, tile_ready, tile_empty, table, K, tiles_n, GROUP_M, STAGES,
+                               B_TRANS, NARROW, EPILOGUE)),
         ],
         [4, 1],
         [232, 40],
@@ -493,11 +653,12 @@ def _grouped_mm_ws_dswiglu_kernel(
     a_desc, b_desc,  # a (M, K) [BM, BK]; b (E, N, K) [1, BN / 2, BK] (B_TRANS) or (E, K, N) [1, BK, BN / 2]
     aux_desc,  # aux (M, 2N) [BM, BN]: the (gate, linear) pairs of a tile's first / second BN / 2 columns
     c_ptr, stride_c, out2_ptr, stride_out2,  # d_aux (M, 2N) as int32 words (M, N); h (M, N2)
-    table, N, N2, K,  # the row-tile table of _tile_table_kernel; N2: h's columns (module doc)
-    NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
+    table, ids, N, N2, K,  # the row-tile table of _tile_table_kernel; tile-index scratch; N2: h's columns
+    GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
     ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr,
 ):
     a_bufs, b_bufs, bufs, ready, empty = _shared_state(a_desc, b_desc, aux_desc, 1, 2, STAGES, 1)
+    tile_ready, tile_empty = _tile_ring(1)
     # the aux half in bufs is ready / has been read
     aux_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     aux_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -506,11 +667,12 @@ def _grouped_mm_ws_dswiglu_kernel(
     tiles_n = gl.cdiv(N, aux_desc.block_type.shape[1])  # BN columns of dH: 2 BN of aux, two boxes
     gl.warp_specialize(
         [
-            (_dswiglu_partition, (a_bufs, b_bufs, ready, empty, bufs.index(0), aux_ready, aux_empty,
-                                  c_ptr, stride_c, out2_ptr, stride_out2, table, N, N2, K, tiles_n,
-                                  NUM_SMS, GROUP_M, STAGES, B_TRANS, ALPHA, LIMIT, OFFSET)),
-            (_load_partition, (a_desc, b_desc, aux_desc, a_bufs, b_bufs, bufs, ready, empty, aux_ready, aux_empty,
-                               table, K, tiles_n, NUM_SMS, GROUP_M, STAGES, B_TRANS, DSWIGLU)),
+            (_dswiglu_partition, (a_bufs, b_bufs, ready, empty, ids, tile_ready, tile_empty, bufs.index(0),
+                                  aux_ready, aux_empty, c_ptr, stride_c, out2_ptr, stride_out2, table, N, N2, K,
+                                  tiles_n, GROUP_M, STAGES, B_TRANS, ALPHA, LIMIT, OFFSET)),
+            (_load_partition, (a_desc, b_desc, b_desc, aux_desc, a_bufs, b_bufs, bufs, ready, empty, aux_ready,
+                               aux_empty, ids, tile_ready, tile_empty, table, K, tiles_n, GROUP_M, STAGES, B_TRANS,
+                               0, DSWIGLU)),
         ],
         [1],
         [40],
