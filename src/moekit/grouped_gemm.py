@@ -189,6 +189,9 @@ _WS_TILE = (128, 256, 64)  # (block_m, block_n, block_k): two consumer warpgroup
 _WS_STAGES = 3  # 3 x 48 KB ring + 2 x 32 KB epilogue buffers: 208 KB of the 227 KB
 _WS_GROUP_M = 8  # row tiles walked together, for L2 reuse
 _WS_NARROW = 64  # columns of the narrow last column tile (N % 256 <= 64, as N = 2880 has)
+# the rows-ragged kernel's dynamic schedule and its half-cost group tails (switches for A/B probes)
+_WS_DYNAMIC = True
+_WS_SKIP_EMPTY = False
 _WS_MIN_ROWS = 128  # average rows per group below which the rows-ragged GEMM keeps Triton's smaller tiles
 
 WS_PLAIN, WS_SWIGLU, WS_DSWIGLU = 0, 1, 2  # the epilogues of _kernels/hopper_gemm.py
@@ -262,10 +265,7 @@ def ws_gemm(a, b, offs, c, *, epilogue: int = WS_PLAIN, bias=None, out2=None, au
     out2 = c if out2 is None else out2
     max_row_tiles = triton.cdiv(m, bm) + e
     programs = min(config.num_sms(a.device), max_row_tiles * triton.cdiv(n, bn))
-    # the row-tile table, then the scratch through which each program's loader warp hands its
-    # consumers the tile indices it takes from the table's counter (the dynamic schedule)
-    table = torch.empty(4 * (max_row_tiles + 1) + programs * hk.TILE_SLOTS, dtype=torch.int32, device=a.device)
-    ids = table[4 * (max_row_tiles + 1) :]
+    table = torch.empty(4 * (max_row_tiles + 1), dtype=torch.int32, device=a.device)
     hk._tile_table_kernel[(max(triton.cdiv(max_row_tiles, 128), 8),)](
         offs, table, c, out2, m, c.shape[1], out2.shape[1] if out2 is not c else 0, e,
         c.stride(0), out2.stride(0), max_row_tiles,
@@ -279,7 +279,7 @@ def ws_gemm(a, b, offs, c, *, epilogue: int = WS_PLAIN, bias=None, out2=None, au
     if dsw:  # one 8-warp consumer partition (hopper_gemm.py)
         aux_desc = _ws_desc(aux, [m, aux.shape[1]], [aux.stride(0), 1], [bm, bn])
         hk._grouped_mm_ws_dswiglu_kernel[(programs,)](
-            a_desc, b_desc, aux_desc, c_arg, c_arg.stride(0), out2, out2.stride(0), table, ids, n, out2.shape[1], k,
+            a_desc, b_desc, aux_desc, c_arg, c_arg.stride(0), out2, out2.stride(0), table, n, out2.shape[1], k,
             num_warps=8, **common,
         )
         return c
@@ -293,8 +293,8 @@ def ws_gemm(a, b, offs, c, *, epilogue: int = WS_PLAIN, bias=None, out2=None, au
     hk._grouped_mm_ws_kernel[(programs,)](
         a_desc, b_desc, c_desc, bn_desc,
         c_arg, c_arg.stride(0), out2, out2.stride(0),
-        bias if bias is not None else c, bias.stride(0) if bias is not None else 0, table, ids,
-        n, k, NARROW=narrow, HAS_BIAS=bias is not None, EPILOGUE=epilogue, num_warps=4, **common,
+        bias if bias is not None else c, bias.stride(0) if bias is not None else 0, table,
+        n, k, NARROW=narrow, DYNAMIC=_WS_DYNAMIC, SKIP_EMPTY=_WS_SKIP_EMPTY, HAS_BIAS=bias is not None, EPILOGUE=epilogue, num_warps=4, **common,
     )
     return c
 

@@ -152,37 +152,79 @@ def _tile_clamped(t, total, table, tiles_n, BLOCK_M: gl.constexpr, GROUP_M: gl.c
 
 @gluon.jit
 def _tile_ring(CONSUMERS: gl.constexpr):
-    """The barriers of the dynamic schedule's tile ring: TILE_SLOTS slots of tile indices that the
-    loader warp takes from the counter in table[1] and hands to the consumer partitions."""
+    """Shared state of the dynamic schedule: TILE_SLOTS slots of tile coordinates (group, first row,
+    group end row, pid_n; row -1 for none left) that the loader warp hands to the consumer partitions,
+    with their ready / empty barriers."""
+    coords = gl.allocate_shared_memory(gl.int32, [4 * TILE_SLOTS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     tile_ready = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
     tile_empty = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(TILE_SLOTS):
         mbarrier.init(tile_ready.index(i), count=1)
         mbarrier.init(tile_empty.index(i), count=CONSUMERS)
-    return tile_ready, tile_empty
+    return coords, tile_ready, tile_empty
 
 
 @gluon.jit
-def _next_tile(table, ids, tile_ready, tile_empty, slot, phase):
-    """Loader: take the next tile index from the counter table[1] and hand it to the consumers in
-    slot ``slot`` of this program's ids (global memory: a scalar read back from shared memory would
-    need a reduction, which Triton 3.6's axis analysis does not follow). Returns (t, slot, phase)."""
-    t = gl.atomic_add(table + 1, 1, sem="relaxed")
+def _take_index(table, n, DYNAMIC: gl.constexpr):
+    """Loader (one warp): start taking its n-th tile index, to be read a tile later by
+    ``_index_value``: from the counter table[1] (the dynamic schedule), or program_id + n * programs
+    (static round robin, kept for A/B probes). Lane 0 does the atomic, in inline PTX: Triton's scalar
+    atomic hands its result to every lane at once, which stalled the loader for the atomic's round
+    trip at every tile."""
+    lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    if DYNAMIC:
+        ptrs = table + 1 + gl.zeros([32], gl.int32, lanes)
+        raw = gl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u32 l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; mov.u32 $0, 0;"
+            " @p atom.global.relaxed.gpu.add.u32 $0, [$1], 1; }",
+            "=r,l", [ptrs], dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        raw = gl.zeros([32], gl.int32, lanes) + gl.program_id(0) + n * gl.num_programs(0)
+    return raw
+
+
+@gluon.jit
+def _index_value(raw):
+    """The tile index that ``_take_index`` took (lane 0's; the other lanes hold 0 or the same)."""
+    return gl.max(raw, axis=0)
+
+
+@gluon.jit
+def _coords(t, total, table, tiles_n, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr):
+    """Tile t's (group, first row, group end row, pid_n), the row -1 when t is past the last tile."""
+    g, row, end, pid_n = _tile_clamped(t, total, table, tiles_n, BLOCK_M, GROUP_M)
+    return g, gl.where(t < total, row, -1), end, pid_n
+
+
+@gluon.jit
+def _publish(coords, tile_ready, tile_empty, c, slot, phase):
+    """Loader: hand the tile coordinates c to the consumers in slot ``slot``. Returns (slot, phase)."""
+    layout: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
+    i = gl.arange(0, 4, layout=layout)
+    v = gl.where(i == 0, c[0], gl.where(i == 1, c[1], gl.where(i == 2, c[2], c[3])))
     mbarrier.wait(tile_empty.index(slot), phase)
-    gl.store(ids + gl.program_id(0) * TILE_SLOTS + slot, t)
-    mbarrier.arrive(tile_ready.index(slot))  # (release: the store is visible to the waiting consumers)
-    slot, phase = _advance(slot, phase, TILE_SLOTS)
-    return t, slot, phase
+    for j in gl.static_range(TILE_SLOTS):  # (a shared-memory slice needs a constant start)
+        if slot == j:
+            coords.slice(4 * j, 4).store(v)
+    mbarrier.arrive(tile_ready.index(slot))  # (release: the consumers see the store)
+    return _advance(slot, phase, TILE_SLOTS)
 
 
 @gluon.jit
-def _take_tile(ids, tile_ready, tile_empty, slot, phase):
-    """Consumer: the next tile index that the loader handed over. Returns (t, slot, phase)."""
+def _take(coords, tile_ready, tile_empty, slot, phase, WARPS: gl.constexpr):
+    """Consumer: the next tile coordinates that the loader handed over. Returns (c, slot, phase)."""
+    layout: gl.constexpr = gl.BlockedLayout([4], [32], [WARPS], [0])  # every thread holds all four
     mbarrier.wait(tile_ready.index(slot), phase)
-    t = gl.load(ids + gl.program_id(0) * TILE_SLOTS + slot, volatile=True)
+    v = gl.zeros([4], gl.int32, layout)
+    for j in gl.static_range(TILE_SLOTS):
+        if slot == j:
+            v = coords.slice(4 * j, 4).load(layout)
+    i = gl.arange(0, 4, layout=layout)
+    c = (gl.sum(gl.where(i == 0, v, 0), axis=0), gl.sum(gl.where(i == 1, v, 0), axis=0),
+         gl.sum(gl.where(i == 2, v, 0), axis=0), gl.sum(gl.where(i == 3, v, 0), axis=0))
     mbarrier.arrive(tile_empty.index(slot))
     slot, phase = _advance(slot, phase, TILE_SLOTS)
-    return t, slot, phase
+    return c, slot, phase
 
 
 @gluon.jit
@@ -203,8 +245,8 @@ def _load_aux_half(aux_desc, buf, aux_ready, aux_empty, row, col, HALF_J: gl.con
 
 @gluon.jit
 def _load_partition(a_desc, b_desc, bn_desc, aux_desc, a_bufs, b_bufs, bufs, ready, empty, aux_ready, aux_empty,
-                    ids, tile_ready, tile_empty, table, K, tiles_n, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                    B_TRANS: gl.constexpr, NARROW: gl.constexpr, EPILOGUE: gl.constexpr):
+                    coords, tile_ready, tile_empty, table, K, tiles_n, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                    B_TRANS: gl.constexpr, NARROW: gl.constexpr, DYNAMIC: gl.constexpr, EPILOGUE: gl.constexpr):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = bufs.shape[2]  # of the output tile; DSWIGLU loads B in two boxes
@@ -222,13 +264,21 @@ def _load_partition(a_desc, b_desc, bn_desc, aux_desc, a_bufs, b_bufs, bufs, rea
     phase = 1  # the first pass over the ring finds every stage free
     slot = 0
     slot_phase = 1
-    # the next tile is taken when this one starts, and its table entry loads during this one
-    t, slot, slot_phase = _next_tile(table, ids, tile_ready, tile_empty, slot, slot_phase)
-    nxt = _tile_clamped(t, total, table, tiles_n, BLOCK_M, GROUP_M)
-    while t < total:
-        g, row, end, pid_n = nxt
-        t, slot, slot_phase = _next_tile(table, ids, tile_ready, tile_empty, slot, slot_phase)
-        nxt = _tile_clamped(t, total, table, tiles_n, BLOCK_M, GROUP_M)
+    # Tile k + 1's coordinates go to the consumers when tile k's loads start (the consumers prefetch
+    # its bias), and tile k + 2's table entry loads then, for the next tile: none of these latencies
+    # (the counter's atomic, the table) stalls the ring. (Taking tiles three ahead costs the dynamic
+    # schedule nothing measurable in a simulation of the gpt-oss shapes.)
+    c = _coords(_index_value(_take_index(table, 0, DYNAMIC)), total, table, tiles_n, BLOCK_M, GROUP_M)
+    slot, slot_phase = _publish(coords, tile_ready, tile_empty, c, slot, slot_phase)
+    nxt = _coords(_index_value(_take_index(table, 1, DYNAMIC)), total, table, tiles_n, BLOCK_M, GROUP_M)
+    raw = _take_index(table, 2, DYNAMIC)
+    taken = 3
+    g, row, end, pid_n = c
+    while row >= 0:
+        slot, slot_phase = _publish(coords, tile_ready, tile_empty, nxt, slot, slot_phase)
+        after = _coords(_index_value(raw), total, table, tiles_n, BLOCK_M, GROUP_M)
+        raw = _take_index(table, taken, DYNAMIC)
+        taken += 1
         col = pid_n * BLOCK_N
         narrow = (pid_n == tiles_n - 1) & (NARROW > 0)
         for ki in range(k_iters):
@@ -260,6 +310,8 @@ def _load_partition(a_desc, b_desc, bn_desc, aux_desc, a_bufs, b_bufs, bufs, rea
                     _load_aux_half(aux_desc, bufs.index(0), aux_ready, aux_empty, row, 2 * col, 0)
         if EPILOGUE == DSWIGLU:  # half 1 once the consumers have read half 0
             _load_aux_half(aux_desc, bufs.index(0), aux_ready, aux_empty, row, 2 * col + BLOCK_N, 1)
+        g, row, end, pid_n = nxt
+        nxt = after
 
 
 @gluon.jit
@@ -459,10 +511,10 @@ def _wide_tile(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, out2_
 
 
 @gluon.jit
-def _mma_partition(a_bufs, b_bufs, bn_desc, ready, empty, ids, tile_ready, tile_empty, buf, c_desc, c_ptr, stride_c,
-                   out2_ptr, stride_out2, bias_ptr, stride_bias, table, N, K, tiles_n,
+def _mma_partition(a_bufs, b_bufs, bn_desc, ready, empty, coords, tile_ready, tile_empty, buf, c_desc, c_ptr, stride_c,
+                   out2_ptr, stride_out2, bias_ptr, stride_bias, N, K, tiles_n,
                    CONSUMER: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
-                   NARROW: gl.constexpr, HAS_BIAS: gl.constexpr,
+                   NARROW: gl.constexpr, SKIP_EMPTY: gl.constexpr, HAS_BIAS: gl.constexpr,
                    EPILOGUE: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr):
     """Consumer warpgroup CONSUMER: rows [CONSUMER * HALF, (CONSUMER + 1) * HALF) of every tile,
     main loop then epilogue. A consumer whose rows all lie past the tile's group end only passes
@@ -474,26 +526,23 @@ def _mma_partition(a_bufs, b_bufs, bn_desc, ready, empty, ids, tile_ready, tile_
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
-    total = gl.load(table) * tiles_n
     k_iters = gl.cdiv(K, BLOCK_K)
     idx = 0
     phase = 0
     slot = 0
     slot_phase = 0
-    # the next tile's index arrives when this one starts; its table entry and bias load during this
-    # tile's main loop and epilogue, off the critical path
-    t, slot, slot_phase = _take_tile(ids, tile_ready, tile_empty, slot, slot_phase)
-    nxt = _tile_clamped(t, total, table, tiles_n, BLOCK_M, GROUP_M)
+    # the coordinates of the next tile arrive when this one starts; its bias loads during this
+    # tile's epilogue, off the critical path
+    nxt, slot, slot_phase = _take(coords, tile_ready, tile_empty, slot, slot_phase, 4)
     if HAS_BIAS:
         bias = _bias_row(bias_ptr, stride_bias, nxt[0], nxt[3] * BLOCK_N, N, BLOCK_N, acc_layout)
     else:
         bias = 0.0
-    while t < total:
+    while nxt[1] >= 0:
         g, tile_row, end, pid_n = nxt
-        t, slot, slot_phase = _take_tile(ids, tile_ready, tile_empty, slot, slot_phase)
-        nxt = _tile_clamped(t, total, table, tiles_n, BLOCK_M, GROUP_M)
+        nxt, slot, slot_phase = _take(coords, tile_ready, tile_empty, slot, slot_phase, 4)
         row = tile_row + CONSUMER * HALF
-        if row >= end:  # no rows of this consumer in the tile (CONSUMER 1 in a group's last tile)
+        if SKIP_EMPTY and (row >= end):  # no rows of this consumer (CONSUMER 1 in a group's last tile)
             idx, phase = _ring_skip(ready, empty, idx, phase, k_iters, STAGES)
             if HAS_BIAS:
                 bias = _bias_row(bias_ptr, stride_bias, nxt[0], nxt[3] * BLOCK_N, N, BLOCK_N, acc_layout)
@@ -551,8 +600,8 @@ def _dswiglu_half(words, dh, aux_ready, aux_empty, c_ptr, stride_c, out2_ptr, st
 
 
 @gluon.jit
-def _dswiglu_partition(a_bufs, b_bufs, ready, empty, ids, tile_ready, tile_empty, buf, aux_ready, aux_empty, c_ptr,
-                       stride_c, out2_ptr, stride_out2, table, N, N2, K, tiles_n,
+def _dswiglu_partition(a_bufs, b_bufs, ready, empty, coords, tile_ready, tile_empty, buf, aux_ready, aux_empty, c_ptr,
+                       stride_c, out2_ptr, stride_out2, N, N2, K, tiles_n,
                        GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
                        ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr):
     """DSWIGLU consumer: one partition of two warpgroups (64 rows each, as the other kernels' two
@@ -570,18 +619,15 @@ def _dswiglu_partition(a_bufs, b_bufs, ready, empty, ids, tile_ready, tile_empty
     # buf holds BLOCK_N aux columns: the (gate, linear) words of BN2 dH columns
     words = buf._reinterpret(gl.int32, [BLOCK_M, BN2],
                              gl.NVMMASharedLayout.get_default_for([BLOCK_M, BN2], gl.int32))
-    total = gl.load(table) * tiles_n
     k_iters = gl.cdiv(K, BLOCK_K)
     idx = 0
     phase = 0
     slot = 0
     slot_phase = 0
-    t, slot, slot_phase = _take_tile(ids, tile_ready, tile_empty, slot, slot_phase)
-    nxt = _tile_clamped(t, total, table, tiles_n, BLOCK_M, GROUP_M)
-    while t < total:
+    nxt, slot, slot_phase = _take(coords, tile_ready, tile_empty, slot, slot_phase, 8)
+    while nxt[1] >= 0:
         g, row, end, pid_n = nxt
-        t, slot, slot_phase = _take_tile(ids, tile_ready, tile_empty, slot, slot_phase)
-        nxt = _tile_clamped(t, total, table, tiles_n, BLOCK_M, GROUP_M)
+        nxt, slot, slot_phase = _take(coords, tile_ready, tile_empty, slot, slot_phase, 8)
         acc0 = warpgroup_mma_init(gl.zeros([BLOCK_M, BN2], gl.float32, acc_layout))
         acc1 = warpgroup_mma_init(gl.zeros([BLOCK_M, BN2], gl.float32, acc_layout))
         for ki in range(k_iters):
@@ -616,14 +662,13 @@ def _grouped_mm_ws_kernel(
     bn_desc,  # NARROW: b again with a [1, NARROW, BK] or [1, BK, NARROW] box (else b_desc)
     c_ptr, stride_c, out2_ptr, stride_out2,  # the outputs, by epilogue (module doc)
     bias_ptr, stride_bias, table,  # bias (E, N) or None; the row-tile table of _tile_table_kernel
-    ids,  # (programs * TILE_SLOTS,) int32 scratch: the tile indices that the loader hands over
     N, K,
     GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr, NARROW: gl.constexpr,
-    HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr,
+    DYNAMIC: gl.constexpr, SKIP_EMPTY: gl.constexpr, HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr,
     ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr,
 ):
     a_bufs, b_bufs, bufs, ready, empty = _shared_state(a_desc, b_desc, c_desc, 1, 1, STAGES, 2)
-    tile_ready, tile_empty = _tile_ring(2)
+    coords, tile_ready, tile_empty = _tile_ring(2)
     tiles_n = gl.cdiv(N, c_desc.block_type.shape[1])
     if NARROW == 0:  # (an unused descriptor captured by the partitions fails to lower)
         bn_desc = b_desc
@@ -631,17 +676,17 @@ def _grouped_mm_ws_kernel(
     # (argument tuples are spelled out: a tuple built with `+` turns constexprs into tensors)
     gl.warp_specialize(
         [
-            (_mma_partition, (a_bufs, b_bufs, bn_desc, ready, empty, ids, tile_ready, tile_empty, bufs.index(0),
-                              c_desc, c_ptr, stride_c, out2_ptr, stride_out2, bias_ptr, stride_bias, table,
-                              N, K, tiles_n, 0, GROUP_M, STAGES, B_TRANS, NARROW, HAS_BIAS, EPILOGUE,
+            (_mma_partition, (a_bufs, b_bufs, bn_desc, ready, empty, coords, tile_ready, tile_empty, bufs.index(0),
+                              c_desc, c_ptr, stride_c, out2_ptr, stride_out2, bias_ptr, stride_bias,
+                              N, K, tiles_n, 0, GROUP_M, STAGES, B_TRANS, NARROW, SKIP_EMPTY, HAS_BIAS, EPILOGUE,
                               ALPHA, LIMIT, OFFSET)),
-            (_mma_partition, (a_bufs, b_bufs, bn_desc, ready, empty, ids, tile_ready, tile_empty, bufs.index(1),
-                              c_desc, c_ptr, stride_c, out2_ptr, stride_out2, bias_ptr, stride_bias, table,
-                              N, K, tiles_n, 1, GROUP_M, STAGES, B_TRANS, NARROW, HAS_BIAS, EPILOGUE,
+            (_mma_partition, (a_bufs, b_bufs, bn_desc, ready, empty, coords, tile_ready, tile_empty, bufs.index(1),
+                              c_desc, c_ptr, stride_c, out2_ptr, stride_out2, bias_ptr, stride_bias,
+                              N, K, tiles_n, 1, GROUP_M, STAGES, B_TRANS, NARROW, SKIP_EMPTY, HAS_BIAS, EPILOGUE,
                               ALPHA, LIMIT, OFFSET)),
             (_load_partition, (a_desc, b_desc, bn_desc, c_desc, a_bufs, b_bufs, bufs, ready, empty, empty.index(0),
-                               empty.index(0), ids, tile_ready, tile_empty, table, K, tiles_n, GROUP_M, STAGES,
-                               B_TRANS, NARROW, EPILOGUE)),
+                               empty.index(0), coords, tile_ready, tile_empty, table, K, tiles_n, GROUP_M, STAGES,
+                               B_TRANS, NARROW, DYNAMIC, EPILOGUE)),
         ],
         [4, 1],
         [232, 40],
@@ -653,12 +698,12 @@ def _grouped_mm_ws_dswiglu_kernel(
     a_desc, b_desc,  # a (M, K) [BM, BK]; b (E, N, K) [1, BN / 2, BK] (B_TRANS) or (E, K, N) [1, BK, BN / 2]
     aux_desc,  # aux (M, 2N) [BM, BN]: the (gate, linear) pairs of a tile's first / second BN / 2 columns
     c_ptr, stride_c, out2_ptr, stride_out2,  # d_aux (M, 2N) as int32 words (M, N); h (M, N2)
-    table, ids, N, N2, K,  # the row-tile table of _tile_table_kernel; tile-index scratch; N2: h's columns
+    table, N, N2, K,  # the row-tile table of _tile_table_kernel; N2: h's columns (module doc)
     GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
     ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr,
 ):
     a_bufs, b_bufs, bufs, ready, empty = _shared_state(a_desc, b_desc, aux_desc, 1, 2, STAGES, 1)
-    tile_ready, tile_empty = _tile_ring(1)
+    coords, tile_ready, tile_empty = _tile_ring(1)
     # the aux half in bufs is ready / has been read
     aux_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     aux_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -667,12 +712,12 @@ def _grouped_mm_ws_dswiglu_kernel(
     tiles_n = gl.cdiv(N, aux_desc.block_type.shape[1])  # BN columns of dH: 2 BN of aux, two boxes
     gl.warp_specialize(
         [
-            (_dswiglu_partition, (a_bufs, b_bufs, ready, empty, ids, tile_ready, tile_empty, bufs.index(0),
-                                  aux_ready, aux_empty, c_ptr, stride_c, out2_ptr, stride_out2, table, N, N2, K,
+            (_dswiglu_partition, (a_bufs, b_bufs, ready, empty, coords, tile_ready, tile_empty, bufs.index(0),
+                                  aux_ready, aux_empty, c_ptr, stride_c, out2_ptr, stride_out2, N, N2, K,
                                   tiles_n, GROUP_M, STAGES, B_TRANS, ALPHA, LIMIT, OFFSET)),
             (_load_partition, (a_desc, b_desc, b_desc, aux_desc, a_bufs, b_bufs, bufs, ready, empty, aux_ready,
-                               aux_empty, ids, tile_ready, tile_empty, table, K, tiles_n, GROUP_M, STAGES, B_TRANS,
-                               0, DSWIGLU)),
+                               aux_empty, coords, tile_ready, tile_empty, table, K, tiles_n, GROUP_M, STAGES, B_TRANS,
+                               0, True, DSWIGLU)),
         ],
         [1],
         [40],
