@@ -188,10 +188,6 @@ def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None, bias=None):
 _WS_TILE = (128, 256, 64)  # (block_m, block_n, block_k): two consumer warpgroups of 64 rows
 _WS_STAGES = 3  # 3 x 48 KB ring + 2 x 32 KB epilogue buffers: 208 KB of the 227 KB
 _WS_GROUP_M = 8  # row tiles walked together, for L2 reuse
-_WS_NARROW = 64  # columns of the narrow last column tile (N % 256 <= 64, as N = 2880 has)
-# the rows-ragged kernel's dynamic schedule and its half-cost group tails (switches for A/B probes)
-_WS_DYNAMIC = True
-_WS_SKIP_EMPTY = False
 _WS_MIN_ROWS = 128  # average rows per group below which the rows-ragged GEMM keeps Triton's smaller tiles
 
 WS_PLAIN, WS_SWIGLU, WS_DSWIGLU = 0, 1, 2  # the epilogues of _kernels/hopper_gemm.py
@@ -264,7 +260,6 @@ def ws_gemm(a, b, offs, c, *, epilogue: int = WS_PLAIN, bias=None, out2=None, au
               else _ws_desc(b, [e, k, n], [b.stride(0), b.stride(1), 1], [1, bk, box_n]))
     out2 = c if out2 is None else out2
     max_row_tiles = triton.cdiv(m, bm) + e
-    programs = min(config.num_sms(a.device), max_row_tiles * triton.cdiv(n, bn))
     table = torch.empty(4 * (max_row_tiles + 1), dtype=torch.int32, device=a.device)
     hk._tile_table_kernel[(max(triton.cdiv(max_row_tiles, 128), 8),)](
         offs, table, c, out2, m, c.shape[1], out2.shape[1] if out2 is not c else 0, e,
@@ -274,7 +269,8 @@ def ws_gemm(a, b, offs, c, *, epilogue: int = WS_PLAIN, bias=None, out2=None, au
     # aux / d_aux as int32 words of bf16 pairs
     c_arg = c.view(torch.int32) if epilogue in (WS_SWIGLU, WS_DSWIGLU) else c
     sw = spec.constexprs() if spec is not None else dict(ALPHA=1.0, LIMIT=None, OFFSET=0.0)
-    common = dict(GROUP_M=_WS_GROUP_M, STAGES=_WS_STAGES, B_TRANS=b_trans,
+    programs = min(config.num_sms(a.device), max_row_tiles * triton.cdiv(n, bn))
+    common = dict(NUM_SMS=programs, GROUP_M=_WS_GROUP_M, STAGES=_WS_STAGES, B_TRANS=b_trans,
                   ALPHA=sw["ALPHA"], LIMIT=sw["LIMIT"], OFFSET=sw["OFFSET"], maxnreg=168)
     if dsw:  # one 8-warp consumer partition (hopper_gemm.py)
         aux_desc = _ws_desc(aux, [m, aux.shape[1]], [aux.stride(0), 1], [bm, bn])
@@ -284,17 +280,11 @@ def ws_gemm(a, b, offs, c, *, epilogue: int = WS_PLAIN, bias=None, out2=None, au
         )
         return c
     c_desc = _ws_desc(c, [m, c.shape[1]], [c.stride(0), 1], [bm // 2, bn])
-    # a last column tile of <= _WS_NARROW columns runs _WS_NARROW-wide wgmmas (plain epilogue only)
-    narrow = _WS_NARROW if epilogue == WS_PLAIN and 0 < n % bn <= _WS_NARROW else 0
-    bn_desc = b_desc
-    if narrow:
-        bn_desc = (_ws_desc(b, [e, n, k], [b.stride(0), b.stride(2), 1], [1, narrow, bk]) if b_trans
-                   else _ws_desc(b, [e, k, n], [b.stride(0), b.stride(1), 1], [1, bk, narrow]))
     hk._grouped_mm_ws_kernel[(programs,)](
-        a_desc, b_desc, c_desc, bn_desc,
+        a_desc, b_desc, c_desc,
         c_arg, c_arg.stride(0), out2, out2.stride(0),
         bias if bias is not None else c, bias.stride(0) if bias is not None else 0, table,
-        n, k, NARROW=narrow, DYNAMIC=_WS_DYNAMIC, SKIP_EMPTY=_WS_SKIP_EMPTY, HAS_BIAS=bias is not None, EPILOGUE=epilogue, num_warps=4, **common,
+        n, k, HAS_BIAS=bias is not None, EPILOGUE=epilogue, num_warps=4, **common,
     )
     return c
 

@@ -72,7 +72,6 @@ COLSUM_NONE = tl.constexpr(0)  # the column-sum modes of the ragged-K kernel
 COLSUM_ROW = tl.constexpr(1)
 COLSUM_VIRTUAL = tl.constexpr(2)
 EPI_ROWS = tl.constexpr(16)  # rows per step of the epilogue
-TILE_SLOTS = tl.constexpr(2)  # tile indices in flight from the loader warp to the consumers
 
 
 # --------------------------------------------------------------------------------------------------
@@ -83,9 +82,8 @@ def _tile_table_kernel(
     offs_ptr, table_ptr, c_ptr, c2_ptr, M, N, N2, E, stride_cm, stride_c2m, max_tiles,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_Z: tl.constexpr,
 ):
-    """table[0] = number of row tiles; table[1] = 0, the counter that the GEMM's programs take their
-    tiles from; table[4 + 4i : 8 + 4i] = (group, group start row, group end row, the group's first
-    row tile) for row tile i, the rows clamped to [0, M] as in ``_group_table``.
+    """table[0] = number of row tiles; table[4 + 4i : 8 + 4i] = (group, group start row, group end
+    row, the group's first row tile) for row tile i, the rows clamped to [0, M] as in ``_group_table``.
 
     Also zero-fills the rows [offs[-1], M) of c (M, N) and c2 (M, N2), the rows of no group."""
     pid = tl.program_id(0)
@@ -96,7 +94,6 @@ def _tile_table_kernel(
     total = tl.sum(tiles, 0)
     if pid == 0:
         tl.store(table_ptr, total)
-        tl.store(table_ptr + 1, 0)
     i = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     g = tl.sum((tiles_end[None, :] <= i[:, None]).to(tl.int32), 1)
     hit = e[None, :] == g[:, None]
@@ -151,86 +148,9 @@ def _tile_clamped(t, total, table, tiles_n, BLOCK_M: gl.constexpr, GROUP_M: gl.c
 
 
 @gluon.jit
-def _tile_ring(CONSUMERS: gl.constexpr):
-    """Shared state of the dynamic schedule: TILE_SLOTS slots of tile coordinates (group, first row,
-    group end row, pid_n; row -1 for none left) that the loader warp hands to the consumer partitions,
-    with their ready / empty barriers."""
-    coords = gl.allocate_shared_memory(gl.int32, [4 * TILE_SLOTS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    tile_ready = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
-    tile_empty = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(TILE_SLOTS):
-        mbarrier.init(tile_ready.index(i), count=1)
-        mbarrier.init(tile_empty.index(i), count=CONSUMERS)
-    return coords, tile_ready, tile_empty
-
-
-@gluon.jit
-def _take_index(table, n, DYNAMIC: gl.constexpr):
-    """Loader (one warp): start taking its n-th tile index, to be read a tile later by
-    ``_index_value``: from the counter table[1] (the dynamic schedule), or program_id + n * programs
-    (static round robin, kept for A/B probes). Lane 0 does the atomic, in inline PTX: Triton's scalar
-    atomic hands its result to every lane at once, which stalled the loader for the atomic's round
-    trip at every tile."""
-    lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    if DYNAMIC:
-        ptrs = table + 1 + gl.zeros([32], gl.int32, lanes)
-        raw = gl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .u32 l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; mov.u32 $0, 0;"
-            " @p atom.global.relaxed.gpu.add.u32 $0, [$1], 1; }",
-            "=r,l", [ptrs], dtype=gl.int32, is_pure=False, pack=1)
-    else:
-        raw = gl.zeros([32], gl.int32, lanes) + gl.program_id(0) + n * gl.num_programs(0)
-    return raw
-
-
-@gluon.jit
-def _index_value(raw):
-    """The tile index that ``_take_index`` took (lane 0's; the other lanes hold 0 or the same)."""
-    return gl.max(raw, axis=0)
-
-
-@gluon.jit
-def _coords(t, total, table, tiles_n, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr):
-    """Tile t's (group, first row, group end row, pid_n), the row -1 when t is past the last tile."""
-    g, row, end, pid_n = _tile_clamped(t, total, table, tiles_n, BLOCK_M, GROUP_M)
-    return g, gl.where(t < total, row, -1), end, pid_n
-
-
-@gluon.jit
-def _publish(coords, tile_ready, tile_empty, c, slot, phase):
-    """Loader: hand the tile coordinates c to the consumers in slot ``slot``. Returns (slot, phase)."""
-    layout: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
-    i = gl.arange(0, 4, layout=layout)
-    v = gl.where(i == 0, c[0], gl.where(i == 1, c[1], gl.where(i == 2, c[2], c[3])))
-    mbarrier.wait(tile_empty.index(slot), phase)
-    for j in gl.static_range(TILE_SLOTS):  # (a shared-memory slice needs a constant start)
-        if slot == j:
-            coords.slice(4 * j, 4).store(v)
-    mbarrier.arrive(tile_ready.index(slot))  # (release: the consumers see the store)
-    return _advance(slot, phase, TILE_SLOTS)
-
-
-@gluon.jit
-def _take(coords, tile_ready, tile_empty, slot, phase, WARPS: gl.constexpr):
-    """Consumer: the next tile coordinates that the loader handed over. Returns (c, slot, phase)."""
-    layout: gl.constexpr = gl.BlockedLayout([4], [32], [WARPS], [0])  # every thread holds all four
-    mbarrier.wait(tile_ready.index(slot), phase)
-    v = gl.zeros([4], gl.int32, layout)
-    for j in gl.static_range(TILE_SLOTS):
-        if slot == j:
-            v = coords.slice(4 * j, 4).load(layout)
-    i = gl.arange(0, 4, layout=layout)
-    c = (gl.sum(gl.where(i == 0, v, 0), axis=0), gl.sum(gl.where(i == 1, v, 0), axis=0),
-         gl.sum(gl.where(i == 2, v, 0), axis=0), gl.sum(gl.where(i == 3, v, 0), axis=0))
-    mbarrier.arrive(tile_empty.index(slot))
-    slot, phase = _advance(slot, phase, TILE_SLOTS)
-    return c, slot, phase
-
-
-@gluon.jit
-def _bias_row(bias_ptr, stride_bias, g, col, N, BLOCK_N: gl.constexpr, acc_layout: gl.constexpr):
-    """bias[g, col : col + BLOCK_N] in the accumulator's column layout (zeros past N)."""
-    cols = col + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+def _bias_row(bias_ptr, stride_bias, g, pid_n, N, BLOCK_N: gl.constexpr, acc_layout: gl.constexpr):
+    """bias[g, pid_n * BLOCK_N :][:BLOCK_N] in the accumulator's column layout (zeros past N)."""
+    cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
     return gl.load(bias_ptr + g.to(gl.int64) * stride_bias + cols, mask=cols < N, other=0.0)
 
 
@@ -244,9 +164,9 @@ def _load_aux_half(aux_desc, buf, aux_ready, aux_empty, row, col, HALF_J: gl.con
 
 
 @gluon.jit
-def _load_partition(a_desc, b_desc, bn_desc, aux_desc, a_bufs, b_bufs, bufs, ready, empty, aux_ready, aux_empty,
-                    coords, tile_ready, tile_empty, table, K, tiles_n, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                    B_TRANS: gl.constexpr, NARROW: gl.constexpr, DYNAMIC: gl.constexpr, EPILOGUE: gl.constexpr):
+def _load_partition(a_desc, b_desc, aux_desc, a_bufs, b_bufs, bufs, ready, empty, aux_ready, aux_empty,
+                    table, K, tiles_n, NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                    B_TRANS: gl.constexpr, EPILOGUE: gl.constexpr):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = bufs.shape[2]  # of the output tile; DSWIGLU loads B in two boxes
@@ -259,59 +179,32 @@ def _load_partition(a_desc, b_desc, bn_desc, aux_desc, a_bufs, b_bufs, bufs, rea
     k_iters = gl.cdiv(K, BLOCK_K)
     aux_at = gl.minimum(k_iters, STAGES) - 1  # DSWIGLU: the K step after which aux half 0 loads
     nbytes: gl.constexpr = a_desc.block_type.nbytes + B_PER_STAGE * b_desc.block_type.nbytes
-    nbytes_narrow: gl.constexpr = a_desc.block_type.nbytes + bn_desc.block_type.nbytes
     idx = 0
     phase = 1  # the first pass over the ring finds every stage free
-    slot = 0
-    slot_phase = 1
-    # Tile k + 1's coordinates go to the consumers when tile k's loads start (the consumers prefetch
-    # its bias), and tile k + 2's table entry loads then, for the next tile: none of these latencies
-    # (the counter's atomic, the table) stalls the ring. (Taking tiles three ahead costs the dynamic
-    # schedule nothing measurable in a simulation of the gpt-oss shapes.)
-    c = _coords(_index_value(_take_index(table, 0, DYNAMIC)), total, table, tiles_n, BLOCK_M, GROUP_M)
-    slot, slot_phase = _publish(coords, tile_ready, tile_empty, c, slot, slot_phase)
-    nxt = _coords(_index_value(_take_index(table, 1, DYNAMIC)), total, table, tiles_n, BLOCK_M, GROUP_M)
-    raw = _take_index(table, 2, DYNAMIC)
-    taken = 3
-    g, row, end, pid_n = c
-    while row >= 0:
-        slot, slot_phase = _publish(coords, tile_ready, tile_empty, nxt, slot, slot_phase)
-        after = _coords(_index_value(raw), total, table, tiles_n, BLOCK_M, GROUP_M)
-        raw = _take_index(table, taken, DYNAMIC)
-        taken += 1
+    nxt = _tile_clamped(gl.program_id(0), total, table, tiles_n, BLOCK_M, GROUP_M)
+    for t in range(gl.program_id(0), total, NUM_SMS):
+        g, row, end, pid_n = nxt
+        nxt = _tile_clamped(t + NUM_SMS, total, table, tiles_n, BLOCK_M, GROUP_M)
         col = pid_n * BLOCK_N
-        narrow = (pid_n == tiles_n - 1) & (NARROW > 0)
         for ki in range(k_iters):
             k = ki * BLOCK_K
             mbarrier.wait(empty.index(idx), phase)
             bar = ready.index(idx)
-            if (NARROW > 0) and narrow:  # the last column tile: one NARROW-wide B box
-                mbarrier.expect(bar, nbytes_narrow)
-                tma.async_copy_global_to_shared(a_desc, [row, k], bar, a_bufs.index(idx))
-                nb = b_bufs.index(B_PER_STAGE * idx)._reinterpret(bn_desc.dtype, bn_desc.block_type.shape,
-                                                                  bn_desc.layout)
-                if B_TRANS:
-                    tma.async_copy_global_to_shared(bn_desc, [g, col, k], bar, nb)
-                else:
-                    tma.async_copy_global_to_shared(bn_desc, [g, k, col], bar, nb)
-            else:
-                mbarrier.expect(bar, nbytes)
-                tma.async_copy_global_to_shared(a_desc, [row, k], bar, a_bufs.index(idx))
-                for j in gl.static_range(B_PER_STAGE):
-                    if B_TRANS:  # memory (E, N, K)
-                        tma.async_copy_global_to_shared(b_desc, [g, col + j * BOX_N, k], bar,
-                                                        b_bufs.index(B_PER_STAGE * idx + j))
-                    else:  # memory (E, K, N)
-                        tma.async_copy_global_to_shared(b_desc, [g, k, col + j * BOX_N], bar,
-                                                        b_bufs.index(B_PER_STAGE * idx + j))
+            mbarrier.expect(bar, nbytes)
+            tma.async_copy_global_to_shared(a_desc, [row, k], bar, a_bufs.index(idx))
+            for j in gl.static_range(B_PER_STAGE):
+                if B_TRANS:  # memory (E, N, K)
+                    tma.async_copy_global_to_shared(b_desc, [g, col + j * BOX_N, k], bar,
+                                                    b_bufs.index(B_PER_STAGE * idx + j))
+                else:  # memory (E, K, N)
+                    tma.async_copy_global_to_shared(b_desc, [g, k, col + j * BOX_N], bar,
+                                                    b_bufs.index(B_PER_STAGE * idx + j))
             idx, phase = _advance(idx, phase, STAGES)
             if EPILOGUE == DSWIGLU:
                 if ki == aux_at:  # early enough to land during the main loop, after its first stages
                     _load_aux_half(aux_desc, bufs.index(0), aux_ready, aux_empty, row, 2 * col, 0)
         if EPILOGUE == DSWIGLU:  # half 1 once the consumers have read half 0
             _load_aux_half(aux_desc, bufs.index(0), aux_ready, aux_empty, row, 2 * col + BLOCK_N, 1)
-        g, row, end, pid_n = nxt
-        nxt = after
 
 
 @gluon.jit
@@ -428,97 +321,13 @@ def _epilogue(buf, c_desc, c_ptr, stride_c, out2_ptr, stride_out2, row, end, pid
 
 
 @gluon.jit
-def _ring_skip(ready, empty, idx, phase, k_iters, STAGES: gl.constexpr):
-    """A consumer with no rows in a tile: pass over its K steps, freeing each stage as it lands."""
-    for _ in range(k_iters):
-        mbarrier.wait(ready.index(idx), phase)
-        mbarrier.arrive(empty.index(idx))
-        idx, phase = _advance(idx, phase, STAGES)
-    return idx, phase
-
-
-@gluon.jit
-def _narrow_tile(a_bufs, b_bufs, bn_desc, ready, empty, c_ptr, stride_c, bias_ptr, stride_bias, g, row, end, col,
-                 N, k_iters, idx, phase, CONSUMER: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
-                 HAS_BIAS: gl.constexpr):
-    """One consumer's rows of the last column tile when it is NARROW columns wide: NARROW-wide wgmmas
-    on the B box that the loader staged at the start of each stage, stored from registers (the
-    64 x 256 epilogue buffer and its TMA store are not used). Returns (idx, phase)."""
-    BLOCK_M: gl.constexpr = a_bufs.shape[1]
-    HALF: gl.constexpr = BLOCK_M // 2
-    BLOCK_K: gl.constexpr = a_bufs.shape[2]
-    if B_TRANS:
-        NB: gl.constexpr = bn_desc.block_type.shape[1]
-    else:
-        NB: gl.constexpr = bn_desc.block_type.shape[2]
-    B_PER_STAGE: gl.constexpr = 1
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NB, 16])
-    if HAS_BIAS:  # its latency hides under the main loop
-        bias = _bias_row(bias_ptr, stride_bias, g, col, N, NB, layout)
-    acc = warpgroup_mma_init(gl.zeros([HALF, NB], gl.float32, layout))
-    for ki in range(k_iters):
-        nb = b_bufs.index(B_PER_STAGE * idx)._reinterpret(bn_desc.dtype, bn_desc.block_type.shape, bn_desc.layout)
-        if B_TRANS:
-            b = nb.reshape([NB, BLOCK_K]).permute((1, 0))
-        else:
-            b = nb.reshape([BLOCK_K, NB])
-        a = a_bufs.index(idx).slice(CONSUMER * HALF, HALF, dim=0)
-        acc, idx, phase = _ring_mma(a, b, acc, ready, empty, idx, phase, ki, STAGES)
-    acc = _ring_drain(acc, empty, idx, k_iters, STAGES)
-    if HAS_BIAS:
-        acc = acc + bias.to(gl.float32)[None, :]
-    rows = row + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))
-    cols = col + gl.arange(0, NB, layout=gl.SliceLayout(0, layout))
-    gl.store(c_ptr + rows.to(gl.int64)[:, None] * stride_c + cols[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=(rows[:, None] < end) & (cols[None, :] < N))
-    return idx, phase
-
-
-@gluon.jit
-def _wide_tile(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, out2_ptr, stride_out2,
-               bias_ptr, stride_bias, bias, row, end, pid_n, nxt, N, k_iters, idx, phase,
-               CONSUMER: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
-               HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr,
-               OFFSET: gl.constexpr):
-    """One consumer's rows [row, row + HALF) of a BLOCK_N-wide tile: main loop and epilogue, and the
-    bias of the next tile (nxt) loaded before the epilogue. Returns (idx, phase, bias)."""
-    HALF: gl.constexpr = buf.shape[0]
-    BLOCK_N: gl.constexpr = buf.shape[1]
-    BLOCK_K: gl.constexpr = a_bufs.shape[2]
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    acc = gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout)
-    if HAS_BIAS:  # the accumulator starts from the bias: no registers held for it in the epilogue
-        acc = acc + bias.to(gl.float32)[None, :]
-    acc = warpgroup_mma_init(acc)
-    for ki in range(k_iters):
-        if B_TRANS:
-            b = b_bufs.index(idx).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
-        else:
-            b = b_bufs.index(idx).reshape([BLOCK_K, BLOCK_N])
-        a = a_bufs.index(idx).slice(CONSUMER * HALF, HALF, dim=0)
-        acc, idx, phase = _ring_mma(a, b, acc, ready, empty, idx, phase, ki, STAGES)
-    acc = _ring_drain(acc, empty, idx, k_iters, STAGES)
-    if HAS_BIAS:
-        bias = _bias_row(bias_ptr, stride_bias, nxt[0], nxt[3] * BLOCK_N, N, BLOCK_N, acc_layout)
-    tma.store_wait(0)  # the previous tile's TMA store has read buf
-    buf.store(acc.to(buf.dtype))
-    fence_async_shared()
-    _epilogue(buf, c_desc, c_ptr, stride_c, out2_ptr, stride_out2, row, end, pid_n, N,
-              EPILOGUE, ALPHA, LIMIT, OFFSET)
-    return idx, phase, bias
-
-
-@gluon.jit
-def _mma_partition(a_bufs, b_bufs, bn_desc, ready, empty, coords, tile_ready, tile_empty, buf, c_desc, c_ptr, stride_c,
-                   out2_ptr, stride_out2, bias_ptr, stride_bias, N, K, tiles_n,
-                   CONSUMER: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
-                   NARROW: gl.constexpr, SKIP_EMPTY: gl.constexpr, HAS_BIAS: gl.constexpr,
+def _mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, out2_ptr, stride_out2,
+                   bias_ptr, stride_bias, table, N, K, tiles_n,
+                   CONSUMER: gl.constexpr, NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr,
+                   STAGES: gl.constexpr, B_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr,
                    EPILOGUE: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr):
     """Consumer warpgroup CONSUMER: rows [CONSUMER * HALF, (CONSUMER + 1) * HALF) of every tile,
-    main loop then epilogue. A consumer whose rows all lie past the tile's group end only passes
-    over the ring, so that a group's last row tile costs half when it has <= HALF rows."""
+    main loop then epilogue."""
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     HALF: gl.constexpr = BLOCK_M // 2
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
@@ -526,43 +335,37 @@ def _mma_partition(a_bufs, b_bufs, bn_desc, ready, empty, coords, tile_ready, ti
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
+    total = gl.load(table) * tiles_n
     k_iters = gl.cdiv(K, BLOCK_K)
     idx = 0
     phase = 0
-    slot = 0
-    slot_phase = 0
-    # the coordinates of the next tile arrive when this one starts; its bias loads during this
-    # tile's epilogue, off the critical path
-    nxt, slot, slot_phase = _take(coords, tile_ready, tile_empty, slot, slot_phase, 4)
+    # the next tile's table entry and bias load during this tile's main loop and epilogue, off the
+    # critical path
+    nxt = _tile_clamped(gl.program_id(0), total, table, tiles_n, BLOCK_M, GROUP_M)
     if HAS_BIAS:
-        bias = _bias_row(bias_ptr, stride_bias, nxt[0], nxt[3] * BLOCK_N, N, BLOCK_N, acc_layout)
-    else:
-        bias = 0.0
-    while nxt[1] >= 0:
-        g, tile_row, end, pid_n = nxt
-        nxt, slot, slot_phase = _take(coords, tile_ready, tile_empty, slot, slot_phase, 4)
-        row = tile_row + CONSUMER * HALF
-        if SKIP_EMPTY and (row >= end):  # no rows of this consumer (CONSUMER 1 in a group's last tile)
-            idx, phase = _ring_skip(ready, empty, idx, phase, k_iters, STAGES)
-            if HAS_BIAS:
-                bias = _bias_row(bias_ptr, stride_bias, nxt[0], nxt[3] * BLOCK_N, N, BLOCK_N, acc_layout)
-        elif NARROW > 0:  # (constexpr: kernels without a narrow tile do not compile its path)
-            if pid_n == tiles_n - 1:
-                idx, phase = _narrow_tile(a_bufs, b_bufs, bn_desc, ready, empty, c_ptr, stride_c, bias_ptr,
-                                          stride_bias, g, row, end, pid_n * BLOCK_N, N, k_iters, idx, phase,
-                                          CONSUMER, STAGES, B_TRANS, HAS_BIAS)
-                if HAS_BIAS:
-                    bias = _bias_row(bias_ptr, stride_bias, nxt[0], nxt[3] * BLOCK_N, N, BLOCK_N, acc_layout)
+        bias = _bias_row(bias_ptr, stride_bias, nxt[0], nxt[3], N, BLOCK_N, acc_layout)
+    for t in range(gl.program_id(0), total, NUM_SMS):
+        g, row, end, pid_n = nxt
+        nxt = _tile_clamped(t + NUM_SMS, total, table, tiles_n, BLOCK_M, GROUP_M)
+        acc = gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout)
+        if HAS_BIAS:  # the accumulator starts from the bias: no registers held for it in the epilogue
+            acc = acc + bias.to(gl.float32)[None, :]
+        acc = warpgroup_mma_init(acc)
+        for ki in range(k_iters):
+            if B_TRANS:
+                b = b_bufs.index(idx).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
             else:
-                idx, phase, bias = _wide_tile(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, out2_ptr,
-                                              stride_out2, bias_ptr, stride_bias, bias, row, end, pid_n, nxt, N,
-                                              k_iters, idx, phase, CONSUMER, STAGES, B_TRANS, HAS_BIAS, EPILOGUE,
-                                              ALPHA, LIMIT, OFFSET)
-        else:
-            idx, phase, bias = _wide_tile(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, out2_ptr,
-                                          stride_out2, bias_ptr, stride_bias, bias, row, end, pid_n, nxt, N,
-                                          k_iters, idx, phase, CONSUMER, STAGES, B_TRANS, HAS_BIAS, EPILOGUE,
-                                          ALPHA, LIMIT, OFFSET)
+                b = b_bufs.index(idx).reshape([BLOCK_K, BLOCK_N])
+            a = a_bufs.index(idx).slice(CONSUMER * HALF, HALF, dim=0)
+            acc, idx, phase = _ring_mma(a, b, acc, ready, empty, idx, phase, ki, STAGES)
+        acc = _ring_drain(acc, empty, idx, k_iters, STAGES)
+        if HAS_BIAS:
+            bias = _bias_row(bias_ptr, stride_bias, nxt[0], nxt[3], N, BLOCK_N, acc_layout)
+        tma.store_wait(0)  # the previous tile's TMA store has read buf
+        buf.store(acc.to(buf.dtype))
+        fence_async_shared()
+        _epilogue(buf, c_desc, c_ptr, stride_c, out2_ptr, stride_out2, row + CONSUMER * HALF, end, pid_n, N,
+                  EPILOGUE, ALPHA, LIMIT, OFFSET)
     tma.store_wait(0)
 
 
@@ -600,9 +403,9 @@ def _dswiglu_half(words, dh, aux_ready, aux_empty, c_ptr, stride_c, out2_ptr, st
 
 
 @gluon.jit
-def _dswiglu_partition(a_bufs, b_bufs, ready, empty, coords, tile_ready, tile_empty, buf, aux_ready, aux_empty, c_ptr,
-                       stride_c, out2_ptr, stride_out2, N, N2, K, tiles_n,
-                       GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
+def _dswiglu_partition(a_bufs, b_bufs, ready, empty, buf, aux_ready, aux_empty, c_ptr, stride_c, out2_ptr,
+                       stride_out2, table, N, N2, K, tiles_n,
+                       NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
                        ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr):
     """DSWIGLU consumer: one partition of two warpgroups (64 rows each, as the other kernels' two
     consumer partitions) holding the tile in two column halves (two accumulators, one B box each),
@@ -619,15 +422,14 @@ def _dswiglu_partition(a_bufs, b_bufs, ready, empty, coords, tile_ready, tile_em
     # buf holds BLOCK_N aux columns: the (gate, linear) words of BN2 dH columns
     words = buf._reinterpret(gl.int32, [BLOCK_M, BN2],
                              gl.NVMMASharedLayout.get_default_for([BLOCK_M, BN2], gl.int32))
+    total = gl.load(table) * tiles_n
     k_iters = gl.cdiv(K, BLOCK_K)
     idx = 0
     phase = 0
-    slot = 0
-    slot_phase = 0
-    nxt, slot, slot_phase = _take(coords, tile_ready, tile_empty, slot, slot_phase, 8)
-    while nxt[1] >= 0:
+    nxt = _tile_clamped(gl.program_id(0), total, table, tiles_n, BLOCK_M, GROUP_M)
+    for t in range(gl.program_id(0), total, NUM_SMS):
         g, row, end, pid_n = nxt
-        nxt, slot, slot_phase = _take(coords, tile_ready, tile_empty, slot, slot_phase, 8)
+        nxt = _tile_clamped(t + NUM_SMS, total, table, tiles_n, BLOCK_M, GROUP_M)
         acc0 = warpgroup_mma_init(gl.zeros([BLOCK_M, BN2], gl.float32, acc_layout))
         acc1 = warpgroup_mma_init(gl.zeros([BLOCK_M, BN2], gl.float32, acc_layout))
         for ki in range(k_iters):
@@ -659,34 +461,27 @@ def _dswiglu_partition(a_bufs, b_bufs, ready, empty, coords, tile_ready, tile_em
 def _grouped_mm_ws_kernel(
     a_desc, b_desc, c_desc,  # a (M, K) [BM, BK]; c (M, N) [BM // 2, BN]
     # b (E, N, K) [1, BN, BK] (B_TRANS) or (E, K, N) [1, BK, BN]
-    bn_desc,  # NARROW: b again with a [1, NARROW, BK] or [1, BK, NARROW] box (else b_desc)
     c_ptr, stride_c, out2_ptr, stride_out2,  # the outputs, by epilogue (module doc)
     bias_ptr, stride_bias, table,  # bias (E, N) or None; the row-tile table of _tile_table_kernel
     N, K,
-    GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr, NARROW: gl.constexpr,
-    DYNAMIC: gl.constexpr, SKIP_EMPTY: gl.constexpr, HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr,
+    NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
+    HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr,
     ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr,
 ):
     a_bufs, b_bufs, bufs, ready, empty = _shared_state(a_desc, b_desc, c_desc, 1, 1, STAGES, 2)
-    coords, tile_ready, tile_empty = _tile_ring(2)
     tiles_n = gl.cdiv(N, c_desc.block_type.shape[1])
-    if NARROW == 0:  # (an unused descriptor captured by the partitions fails to lower)
-        bn_desc = b_desc
 
     # (argument tuples are spelled out: a tuple built with `+` turns constexprs into tensors)
     gl.warp_specialize(
         [
-            (_mma_partition, (a_bufs, b_bufs, bn_desc, ready, empty, coords, tile_ready, tile_empty, bufs.index(0),
-                              c_desc, c_ptr, stride_c, out2_ptr, stride_out2, bias_ptr, stride_bias,
-                              N, K, tiles_n, 0, GROUP_M, STAGES, B_TRANS, NARROW, SKIP_EMPTY, HAS_BIAS, EPILOGUE,
-                              ALPHA, LIMIT, OFFSET)),
-            (_mma_partition, (a_bufs, b_bufs, bn_desc, ready, empty, coords, tile_ready, tile_empty, bufs.index(1),
-                              c_desc, c_ptr, stride_c, out2_ptr, stride_out2, bias_ptr, stride_bias,
-                              N, K, tiles_n, 1, GROUP_M, STAGES, B_TRANS, NARROW, SKIP_EMPTY, HAS_BIAS, EPILOGUE,
-                              ALPHA, LIMIT, OFFSET)),
-            (_load_partition, (a_desc, b_desc, bn_desc, c_desc, a_bufs, b_bufs, bufs, ready, empty, empty.index(0),
-                               empty.index(0), coords, tile_ready, tile_empty, table, K, tiles_n, GROUP_M, STAGES,
-                               B_TRANS, NARROW, DYNAMIC, EPILOGUE)),
+            (_mma_partition, (a_bufs, b_bufs, ready, empty, bufs.index(0), c_desc, c_ptr, stride_c, out2_ptr,
+                              stride_out2, bias_ptr, stride_bias, table, N, K, tiles_n,
+                              0, NUM_SMS, GROUP_M, STAGES, B_TRANS, HAS_BIAS, EPILOGUE, ALPHA, LIMIT, OFFSET)),
+            (_mma_partition, (a_bufs, b_bufs, ready, empty, bufs.index(1), c_desc, c_ptr, stride_c, out2_ptr,
+                              stride_out2, bias_ptr, stride_bias, table, N, K, tiles_n,
+                              1, NUM_SMS, GROUP_M, STAGES, B_TRANS, HAS_BIAS, EPILOGUE, ALPHA, LIMIT, OFFSET)),
+            (_load_partition, (a_desc, b_desc, c_desc, a_bufs, b_bufs, bufs, ready, empty, empty.index(0),
+                               empty.index(0), table, K, tiles_n, NUM_SMS, GROUP_M, STAGES, B_TRANS, EPILOGUE)),
         ],
         [4, 1],
         [232, 40],
@@ -699,11 +494,10 @@ def _grouped_mm_ws_dswiglu_kernel(
     aux_desc,  # aux (M, 2N) [BM, BN]: the (gate, linear) pairs of a tile's first / second BN / 2 columns
     c_ptr, stride_c, out2_ptr, stride_out2,  # d_aux (M, 2N) as int32 words (M, N); h (M, N2)
     table, N, N2, K,  # the row-tile table of _tile_table_kernel; N2: h's columns (module doc)
-    GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
+    NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
     ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr,
 ):
     a_bufs, b_bufs, bufs, ready, empty = _shared_state(a_desc, b_desc, aux_desc, 1, 2, STAGES, 1)
-    coords, tile_ready, tile_empty = _tile_ring(1)
     # the aux half in bufs is ready / has been read
     aux_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     aux_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -712,12 +506,11 @@ def _grouped_mm_ws_dswiglu_kernel(
     tiles_n = gl.cdiv(N, aux_desc.block_type.shape[1])  # BN columns of dH: 2 BN of aux, two boxes
     gl.warp_specialize(
         [
-            (_dswiglu_partition, (a_bufs, b_bufs, ready, empty, coords, tile_ready, tile_empty, bufs.index(0),
-                                  aux_ready, aux_empty, c_ptr, stride_c, out2_ptr, stride_out2, N, N2, K,
-                                  tiles_n, GROUP_M, STAGES, B_TRANS, ALPHA, LIMIT, OFFSET)),
-            (_load_partition, (a_desc, b_desc, b_desc, aux_desc, a_bufs, b_bufs, bufs, ready, empty, aux_ready,
-                               aux_empty, coords, tile_ready, tile_empty, table, K, tiles_n, GROUP_M, STAGES, B_TRANS,
-                               0, True, DSWIGLU)),
+            (_dswiglu_partition, (a_bufs, b_bufs, ready, empty, bufs.index(0), aux_ready, aux_empty,
+                                  c_ptr, stride_c, out2_ptr, stride_out2, table, N, N2, K, tiles_n,
+                                  NUM_SMS, GROUP_M, STAGES, B_TRANS, ALPHA, LIMIT, OFFSET)),
+            (_load_partition, (a_desc, b_desc, aux_desc, a_bufs, b_bufs, bufs, ready, empty, aux_ready, aux_empty,
+                               table, K, tiles_n, NUM_SMS, GROUP_M, STAGES, B_TRANS, DSWIGLU)),
         ],
         [1],
         [40],

@@ -1,0 +1,108 @@
+"""Paired A/B of the rows-ragged warp-specialized GEMM (``grouped_gemm.ws_gemm``): an older revision of
+the package against the working tree, in one process, on the gpt-oss problems.
+
+Setup (here, before the device call, which carries untracked files along)::
+
+    rm -rf abtest && mkdir abtest && git archive REV src/moekit | tar -x -C abtest
+    mv abtest/src/moekit abtest/moekit_old && rm -r abtest/src
+    sed -i 's/"moekit::/"moekit_old::/g' abtest/moekit_old/*.py   # its custom ops get their own namespace
+
+Then ``python benchmarks/ab_revision.py gpt-oss-20b:dH gpt-oss-120b:up ...`` (problems: down, dH, dX,
+up). Each round times every variant for 30 ms in a rotating order; the table gives each variant's
+median time and its median ratio to the old revision over the rounds' pairs, with the quartiles.
+Pairs within a round cancel the clock drift that makes unpaired medians of one variant move by 2-5%
+between runs (bench/NOTES.md, expert MLP entry 21). Variants beyond ``old`` and ``new`` are module
+switches of the working tree, edited into ``VARIANTS`` for the question at hand.
+"""
+
+import sys
+
+import torch
+
+sys.path.insert(0, "abtest")
+import moekit_old.grouped_gemm as old  # noqa: E402
+
+import moekit.grouped_gemm as new  # noqa: E402
+from moekit.bench import SHAPES, bench_ms, environment  # noqa: E402
+from moekit.epilogue import SwiGLU  # noqa: E402
+from moekit.testing import offs_from_counts, routed_counts  # noqa: E402
+
+VARIANTS = {}  # name -> {module attribute of moekit.grouped_gemm: value}, e.g. {"wide": {"_WS_NARROW": 0}}
+ROUNDS = 15
+
+
+def _switched(fn, flags):
+    def run():
+        saved = {k: getattr(new, k) for k in flags}
+        for k, v in flags.items():
+            setattr(new, k, v)
+        try:
+            return fn()
+        finally:
+            for k, v in saved.items():
+                setattr(new, k, v)
+    return run
+
+
+def _problem(name, label):
+    s = SHAPES[name]
+    gen = torch.Generator().manual_seed(0)
+    offs = offs_from_counts(routed_counts(s.tokens, s.e, s.top_k, generator=gen), device="cuda")
+    m, d, f, e = s.tokens * s.top_k, s.d, s.f, s.e
+    torch.manual_seed(0)
+    bf16 = torch.bfloat16
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda") * scale).to(bf16)
+
+    if label == "down":  # h @ w_down + b_down, weights (E, D, F) viewed as (E, F, D)
+        return offs, randn(m, f), randn(e, d, f, scale=f**-0.5).mT, d, dict(bias=randn(e, d))
+    if label == "dH":  # dOut @ w_down^T
+        return offs, randn(m, d), randn(e, d, f, scale=d**-0.5), f, {}
+    if label == "dX":  # d_aux @ w_up^T
+        return offs, randn(m, 2 * f), randn(e, 2 * f, d, scale=f**-0.5), d, {}
+    if label == "up":  # x @ w_up + b_up with the SwiGLU epilogue
+        return (offs, randn(m, d), randn(e, 2 * f, d, scale=d**-0.5).mT, 2 * f,
+                dict(bias=randn(e, 2 * f), epilogue=new.WS_SWIGLU, spec=SwiGLU()))
+    raise ValueError(f"unknown problem {label!r}: down, dH, dX or up")
+
+
+def main(problems):
+    print(environment())
+    for problem in problems:
+        _compare(*problem.split(":"))
+
+
+def _compare(name, label):
+    offs, a, b, n, kw = _problem(name, label)
+    outs = {}
+
+    def call(mod, key):
+        outs[key] = (torch.empty(a.shape[0], n, device="cuda", dtype=a.dtype),
+                     torch.empty(a.shape[0], n // 2, device="cuda", dtype=a.dtype))
+        c, h = outs[key]
+        extra = dict(out2=h) if kw.get("epilogue") == new.WS_SWIGLU else {}
+        return lambda: mod.ws_gemm(a, b, offs, c, **kw, **extra)
+
+    fns = {"old": call(old, "old"), "new": call(new, "new")}
+    fns.update({v: _switched(call(new, v), flags) for v, flags in VARIANTS.items()})
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    diff = max((c.float() - outs["old"][0].float()).abs().max().item() for c, _ in outs.values())
+    names = list(fns)
+    samples = {k: [] for k in names}
+    for r in range(ROUNDS):
+        for k in names[r % len(names):] + names[: r % len(names)]:
+            samples[k].append(bench_ms(fns[k], warmup_ms=5, rep_ms=30))
+    cells = []
+    for k in names:
+        ratios = sorted(x / y for x, y in zip(samples[k], samples["old"], strict=True))
+        q = len(ratios) // 4
+        cells.append(f"{k} {sorted(samples[k])[len(ratios) // 2]:.3f} ms x{ratios[len(ratios) // 2]:.3f} "
+                     f"[{ratios[q]:.3f}-{ratios[-1 - q]:.3f}]")
+    print(f"{name} {label}: max |new - old| {diff:.1e} | " + " | ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
