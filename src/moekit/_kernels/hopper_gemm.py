@@ -480,6 +480,7 @@ def _grouped_mm_ws_kernel(
             (_mma_partition, (a_bufs, b_bufs, ready, empty, bufs.index(1), c_desc, c_ptr, stride_c, out2_ptr,
                               stride_out2, bias_ptr, stride_bias, table, N, K, tiles_n,
                               1, NUM_SMS, GROUP_M, STAGES, B_TRANS, HAS_BIAS, EPILOGUE, ALPHA, LIMIT, OFFSET)),
+            # (aux_desc, aux_ready, aux_empty are DSWIGLU's: placeholders here, never touched)
             (_load_partition, (a_desc, b_desc, c_desc, a_bufs, b_bufs, bufs, ready, empty, empty.index(0),
                                empty.index(0), table, K, tiles_n, NUM_SMS, GROUP_M, STAGES, B_TRANS, EPILOGUE)),
         ],
