@@ -1,5 +1,6 @@
-"""Paired A/B of the rows-ragged warp-specialized GEMM (``grouped_gemm.ws_gemm``): an older revision of
-the package against the working tree, in one process, on the gpt-oss problems.
+"""Paired A/B of the warp-specialized GEMMs (``grouped_gemm.ws_gemm``, and ``_ragged_k`` for the weight
+gradients): an older revision of the package against the working tree, in one process, on the gpt-oss
+problems.
 
 Setup (here, before the device call, which carries untracked files along)::
 
@@ -8,8 +9,9 @@ Setup (here, before the device call, which carries untracked files along)::
     sed -i 's/"moekit::/"moekit_old::/g' abtest/moekit_old/*.py   # its custom ops get their own namespace
 
 Then ``python benchmarks/ab_revision.py gpt-oss-20b:dH gpt-oss-120b:up ...`` (problems: down, dH, dX,
-up). Each round times every variant for 30 ms in a rotating order; the table gives each variant's
-median time and its median ratio to the old revision over the rounds' pairs, with the quartiles.
+up, and the weight gradients dWdown (with db_down's ones row) and dWup (with db_up where D % 128 == 64)).
+Each round times every variant for 30 ms in a rotating order; the table gives each variant's median
+time and its median ratio to the old revision over the rounds' pairs, with the quartiles.
 Pairs within a round cancel the clock drift that makes unpaired medians of one variant move by 2-5%
 between runs (bench/NOTES.md, expert MLP entry 21). Variants beyond ``old`` and ``new`` are module
 switches of the working tree, edited into ``VARIANTS`` for the question at hand.
@@ -61,6 +63,12 @@ def _problem(name, label):
         return offs, randn(m, d), randn(e, d, f, scale=d**-0.5), f, {}
     if label == "dX":  # d_aux @ w_up^T
         return offs, randn(m, 2 * f), randn(e, 2 * f, d, scale=f**-0.5), d, {}
+    if label == "dWdown":  # [h | 1]^T @ dOut: h with its ones column, as the backward hands it over
+        h = randn(m, f + 64)[:, : f + 1]
+        h[:, f] = 1
+        return offs, h, randn(m, d), None, dict(ones_row=True)
+    if label == "dWup":  # x^T @ d_aux
+        return offs, randn(m, d), randn(m, 2 * f), None, dict(colsum=True)
     if label == "up":  # x @ w_up + b_up with the SwiGLU epilogue
         return (offs, randn(m, d), randn(e, 2 * f, d, scale=d**-0.5).mT, 2 * f,
                 dict(bias=randn(e, 2 * f), epilogue=new.WS_SWIGLU, spec=SwiGLU()))
@@ -78,6 +86,10 @@ def _compare(name, label):
     outs = {}
 
     def call(mod, key):
+        if n is None:  # a weight gradient: a is the (Kt, M) operand, transposed as autograd hands it over
+            def run():
+                outs[key] = mod._ragged_k(a.mT, b, offs, b.dtype, None, **kw)
+            return run
         outs[key] = (torch.empty(a.shape[0], n, device="cuda", dtype=a.dtype),
                      torch.empty(a.shape[0], n // 2, device="cuda", dtype=a.dtype))
         c, h = outs[key]
@@ -90,6 +102,9 @@ def _compare(name, label):
         fn()
     torch.cuda.synchronize()
     diff = max((c.float() - outs["old"][0].float()).abs().max().item() for c, _ in outs.values())
+    if n is None or kw.get("epilogue") == new.WS_SWIGLU:  # also the column sums, or h
+        diff = max([diff] + [(s.float() - outs["old"][1].float()).abs().max().item()
+                             for _, s in outs.values() if s is not None])
     names = list(fns)
     samples = {k: [] for k in names}
     for r in range(ROUNDS):

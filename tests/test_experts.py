@@ -129,6 +129,27 @@ def test_forward_and_backward(interpreter, tma_path, counts, m, d, f, variant):
             assert not leaves[1].grad[g].any() and not leaves[2].grad[g].any() and not leaves[3].grad[g].any()
 
 
+@pytest.mark.parametrize("recompute", ["0", "1"], ids=["save-h", "recompute-h"])
+def test_down_weight_gradient_from_saved_or_recomputed_h(interpreter, monkeypatch, recompute):
+    """dW_down and db_down from h saved in the forward (the default; db_down from a column-sum pass
+    here) and from h recomputed out of aux in the backward (``MOEKIT_RECOMPUTE_H=1``; db_down from
+    the ones column the recompute appends): both within the reference's error."""
+    monkeypatch.setenv("MOEKIT_RECOMPUTE_H", recompute)
+    kw = VARIANTS["gpt-oss"]
+    x, w1, b1, w2, b2, offs = _expert_inputs([10, 0, 22], 40, 32, 24)
+    leaves = [_leaf(t) for t in (x, w1, b1, w2, b2)]
+    h, aux, out = _run((grouped_mm_swiglu, grouped_mm_downproj), *leaves, offs, kw)
+    dy = torch.randn_like(out)
+    out.backward(dy)
+
+    def ref_chain(*ls):
+        return _run((grouped_mm_swiglu_ref, grouped_mm_downproj_ref), *ls, offs, kw)
+
+    assert_run_within_reference(ref_chain, (x, w1, b1, w2, b2), dy, (h, aux, out), [t.grad for t in leaves],
+                                names=NAMES)
+    assert not leaves[3].grad[1].any() and not leaves[4].grad[1].any()  # the empty expert's
+
+
 @pytest.mark.parametrize("variant", ["no-limit", "plain-silu-halves"])
 def test_variants_without_bias_and_contiguous_weights(interpreter, variant):
     kw = VARIANTS[variant]

@@ -61,8 +61,14 @@ def _chain(fns, x, w1, b1, w2, b2, offs, layout):
 @pytest.mark.parametrize("layout", ["interleaved", "halves"])
 @pytest.mark.parametrize("x_scale", [1.0, 6.0], ids=["normal", "clamp-heavy"])
 # F % 128 != 0 hands db_down to the dW_down GEMM; D % 128 == 64 hands db_up to the dW_up GEMM (ws path)
-@pytest.mark.parametrize("d, f", [(960, 1000), (1024, 1024)], ids=["bias-grads-in-wgrad", "bias-grads-colsum"])
-def test_forward_backward_against_float64(expert_path, layout, x_scale, d, f):
+@pytest.mark.parametrize("d, f", [(960, 1000), (1024, 1024), (960, 960)],
+                         ids=["bias-grads-in-wgrad", "bias-grads-colsum", "f-mod-128-is-64"])
+@pytest.mark.parametrize("recompute", ["0", "1"], ids=["save-h", "recompute-h"])
+def test_forward_backward_against_float64(monkeypatch, expert_path, layout, x_scale, d, f, recompute):
+    """h saved for dW_down (the default) or recomputed from aux (``MOEKIT_RECOMPUTE_H=1``). db_down
+    comes from the dW_down GEMM (a ones column on the recomputed h where F % 128 != 0, a virtual ones
+    row on a saved h where F % 128 == 64) or from a column-sum pass."""
+    monkeypatch.setenv("MOEKIT_RECOMPUTE_H", recompute)
     counts = routed_counts(2048, 8, 4, skew=3.0).tolist()
     counts[1] = 0
     rows = sum(counts) + 40  # rows past offs[-1]
@@ -213,8 +219,11 @@ def test_opcheck():
     h, aux = _swiglu_op(x, w1, offs, b1, None, None, *spec)
     torch.library.opcheck(_downproj_op, (h.detach(), _leaf(w2), offs, _leaf(b2), _leaf(aux), *spec))
     dy = torch.randn(1024, 256, device=DEV, dtype=BF16)
-    torch.library.opcheck(_downproj_bwd_op, (dy, w2, offs, aux, True, True, *spec))  # db_down in the wgrad
-    torch.library.opcheck(_downproj_bwd_op, (dy, w2, offs, aux, False, True, *spec))  # a column-sum pass
+    # h recomputed: db_down in the wgrad (F % 128 != 0), or a column-sum pass
+    torch.library.opcheck(_downproj_bwd_op, (dy, w2, offs, aux, None, True, True, *spec))
+    torch.library.opcheck(_downproj_bwd_op, (dy, w2, offs, aux, None, False, True, *spec))
+    # h saved: F = 192 (% 128 == 64) gives db_down in the wgrad (ws)
+    torch.library.opcheck(_downproj_bwd_op, (dy, w2, offs, aux, h.detach(), True, True, *spec))
     torch.library.opcheck(_colsum_op, (dy, offs))
     torch.library.opcheck(_wgrad_colsum_op, (x, dy, offs))  # D = 256: sums from a pass
     torch.library.opcheck(_wgrad_colsum_op, (x[:, :192], dy, offs))  # D % 128 == 64: from the GEMM (ws)

@@ -117,6 +117,14 @@ def fused_dswiglu() -> bool:
     return os.environ.get("MOEKIT_FUSED_DSWIGLU", "0") not in ("", "0")
 
 
+def save_h() -> bool:
+    """Whether the fused down-projection saves h for its weight gradient (the default) instead of
+    recomputing it from aux in the backward (``MOEKIT_RECOMPUTE_H=1``). Saving h keeps 0.5 GiB more
+    per gpt-oss layer alive (saved activations 0.43x torchtitan's instead of 0.29x) and spares the
+    SwiGLU backward pass h's recompute and store (bench/NOTES.md, expert MLP entry 22)."""
+    return os.environ.get("MOEKIT_RECOMPUTE_H", "0") in ("", "0")
+
+
 @functools.cache
 def _has_gluon() -> bool:
     try:

@@ -6,13 +6,14 @@ Forward: one grouped GEMM computes ``aux = x @ w_up[g] + b_up[g]`` (M, 2F) and `
 (M, F) in its epilogue; a second computes ``out = h @ w_down[g] + b_down[g]`` (M, D).
 
 Backward (the fused-only contract): the gradient flows through ``aux``, not ``h``. The down-projection
-dgrad computes dH = dOut @ w_down^T, and one pass turns (aux, dH) into d_aux = dSwiGLU(aux) * dH and a
-recomputed h (the GEMM's own epilogue can do it, opt-in and slower: ``grouped_mm_dswiglu``); then
-dW_down = h^T @ dOut, dX = d_aux @ w_up^T, dW_up = x^T @ d_aux. The bias gradients are per-expert
-column sums: db_down comes out of the dW_down GEMM through a column of ones appended to h; db_up
-comes out of the dW_up GEMM on Hopper when D % 128 == 64 (a constant row of ones that the
-warp-specialized kernel multiplies in the empty half of its last row tile), else from a pass over
-d_aux. Only ``aux`` is saved between forward and backward.
+dgrad computes dH = dOut @ w_down^T, and one pass turns (aux, dH) into d_aux = dSwiGLU(aux) * dH; then
+dW_down = h^T @ dOut, dX = d_aux @ w_up^T, dW_up = x^T @ d_aux. The forward saves ``aux`` and ``h``
+(``config.save_h``); with ``MOEKIT_RECOMPUTE_H=1`` it saves only ``aux``, and the pass also recomputes
+h (the GEMM's own epilogue can do that, opt-in and slower: ``grouped_mm_dswiglu``). The bias
+gradients are per-expert column sums. db_up and, from a saved h, db_down come out of their weight
+gradient GEMMs on Hopper when D (resp. F) % 128 == 64: a constant row of ones that the
+warp-specialized kernel multiplies in the empty half of its last row tile. db_down from a recomputed
+h comes out of the dW_down GEMM through a column of ones appended to h. Otherwise a pass sums them.
 
 Reads as: references (``reference.py``) -> kernels (``_kernels/experts.py``) -> launchers
 (``*_fwd`` / ``grouped_mm_dswiglu`` / ``grouped_colsum``) -> custom ops with fakes and autograd ->
@@ -162,13 +163,25 @@ def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = Fal
     return swiglu_bwd(aux, dh, spec, with_h=True, ones_col=ones_col)
 
 
-def downproj_bwd(grad, w, offs, aux, spec: SwiGLU, *, need_w: bool, need_b: bool):
-    """Backward of the fused down-projection: grad (M, D), w (E, F, D), aux (M, 2F) ->
-    (d_aux (M, 2F), dW_down (E, F, D) or None, db_down (E, D) fp32 or None).
+def downproj_bwd(grad, w, offs, aux, spec: SwiGLU, *, need_w: bool, need_b: bool, h=None):
+    """Backward of the fused down-projection: grad (M, D), w (E, F, D), aux (M, 2F), h (M, F) saved
+    from the forward or None -> (d_aux (M, 2F), dW_down (E, F, D) or None, db_down (E, D) fp32 or None).
 
-    db_down rides on the dW_down GEMM through h's ones column when F leaves that GEMM a partial row
-    tile, where the extra row costs nothing; otherwise it is a column-sum pass over dOut."""
+    Without h, the dSwiGLU pass recomputes it from aux. db_down rides on the dW_down GEMM where F
+    leaves that GEMM a partial row tile, where an extra row of ones costs nothing (a ones column
+    appended to the recomputed h; with a saved h, F % 128 == 64 and a virtual row of ones); otherwise
+    it is a column-sum pass over dOut."""
     f = aux.shape[1] // 2
+    if h is not None:
+        d_aux = swiglu_bwd(aux, grouped_mm_fwd(grad, w.mT, offs), spec)
+        dw = db = None
+        if need_w and need_b:
+            dw, db = _ragged_k(h.mT, grad, offs, grad.dtype, None, colsum=True)
+        elif need_w:
+            dw = grouped_mm_fwd(h.mT, grad, offs)
+        if need_b and db is None:
+            db = grouped_colsum(grad, offs)
+        return d_aux, dw, db
     ones = need_w and need_b and config.ones_row_is_free(f)
     d_aux, h = grouped_mm_dswiglu(grad, w, offs, aux, spec, ones_col=ones)
     if ones:
@@ -294,11 +307,11 @@ def _(x, w, offs, bias, token_idx, row_of, alpha, limit, linear_offset, layout):
 
 @torch.library.custom_op("moekit::grouped_mm_downproj_bwd", mutates_args=())
 def _downproj_bwd_op(
-    grad: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, aux: torch.Tensor, need_w: bool, need_b: bool,
-    alpha: float, limit: float | None, linear_offset: float, layout: str,
+    grad: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, aux: torch.Tensor, h: torch.Tensor | None,
+    need_w: bool, need_b: bool, alpha: float, limit: float | None, linear_offset: float, layout: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     d_aux, dw, db = downproj_bwd(grad, w, offs, aux, _spec(alpha, limit, linear_offset, layout),
-                                 need_w=need_w, need_b=need_b)
+                                 need_w=need_w, need_b=need_b, h=h)
     # custom ops return no None: an empty tensor stands in
     dw = grad.new_empty(0) if dw is None else dw
     db = grad.new_empty(0, dtype=torch.float32) if db is None else db
@@ -306,7 +319,7 @@ def _downproj_bwd_op(
 
 
 @_downproj_bwd_op.register_fake
-def _(grad, w, offs, aux, need_w, need_b, alpha, limit, linear_offset, layout):
+def _(grad, w, offs, aux, h, need_w, need_b, alpha, limit, linear_offset, layout):
     e, f, d = w.shape
     return (
         torch.empty_like(aux),
@@ -427,17 +440,17 @@ def _downproj_setup(ctx, inputs, output):
     h, w, offs, bias, aux, alpha, limit, linear_offset, layout = inputs
     ctx.spec = (alpha, limit, linear_offset, layout)
     ctx.fused = aux is not None
-    # With aux, h is recomputed in the backward and never saved.
-    ctx.save_for_backward(aux if ctx.fused else h, w, offs, bias)
+    # With aux, the weight gradient takes h saved (config.save_h) or recomputed from aux.
+    ctx.save_for_backward(aux if ctx.fused else h, h if ctx.fused and config.save_h() else None, w, offs, bias)
 
 
 def _downproj_backward(ctx, grad):
-    saved, w, offs, bias = ctx.saved_tensors
+    saved, h, w, offs, bias = ctx.saved_tensors
     grad = _matrix_ready(grad.to(w.dtype))
     need_h, need_w, _, need_b, need_aux = ctx.needs_input_grad[:5]
     grad_h = grad_aux = None
     if ctx.fused:
-        grad_aux, grad_w, grad_b = _downproj_bwd_op(grad, w, offs, saved, need_w, need_b, *ctx.spec)
+        grad_aux, grad_w, grad_b = _downproj_bwd_op(grad, w, offs, saved, h, need_w, need_b, *ctx.spec)
         grad_aux = grad_aux if need_aux else None
         grad_w = grad_w if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
@@ -533,9 +546,10 @@ def grouped_mm_downproj(
 
     h (M, F); w_down (E, F, D), e.g. a ``(E, D, F)`` torchtitan weight as ``w.mT``; bias (E, D) or
     None. With ``aux_biased_acc=aux`` from :func:`grouped_mm_swiglu` (and the same SwiGLU settings),
-    the backward runs fused: its dgrad kernel applies the SwiGLU derivative to produce d_aux and
-    recomputes h for the weight gradient, so neither h nor dH is stored. Without it, this is a plain
-    grouped GEMM + bias whose gradient flows to ``h``.
+    the backward runs fused: the gradient goes to aux (dSwiGLU(aux) applied to dH), not to h, and the
+    weight gradient takes h as saved (or, with ``MOEKIT_RECOMPUTE_H=1``, recomputed from aux, so
+    that only aux stays alive). Without it, this is a plain grouped GEMM + bias whose gradient flows
+    to ``h``.
     """
     spec = SwiGLU(swiglu_alpha, swiglu_limit, swiglu_linear_offset, gate_up_layout)
     _check_expert_inputs("grouped_mm_downproj", h, w_down, offs, bias, w_down.shape[2])

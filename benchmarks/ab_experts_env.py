@@ -1,0 +1,82 @@
+"""Paired A/B of the expert MLP step (``GptOssExperts`` forward + backward) under two settings of
+moekit's environment switches, in one process: ``python benchmarks/ab_experts_env.py
+MOEKIT_RECOMPUTE_H=1 [gpt-oss-20b gpt-oss-120b]`` times the default against the switch set. Each
+round times both in a rotating order; the table gives each one's median step time, its median ratio
+to the default over the rounds' pairs (with the quartiles), and the activations its forward saves.
+The switches must be read at call time (``config.save_h``, ``config.fused_dswiglu``).
+"""
+
+import os
+import sys
+
+import torch
+
+from moekit import GptOssExperts
+from moekit.bench import SHAPES, bench_ms, environment
+from moekit.bench.experts import _saved_bytes
+from moekit.testing import routed_counts
+
+ROUNDS = 10
+
+
+def _with_env(fn, env):
+    def run():
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return fn()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k)
+                else:
+                    os.environ[k] = v
+    return run
+
+
+def _compare(name, env):
+    s = SHAPES[name]
+    gen = torch.Generator().manual_seed(0)
+    counts = routed_counts(s.tokens, s.e, s.top_k, generator=gen).cuda()
+    torch.manual_seed(0)
+    ex = GptOssExperts(s.d, s.f, s.e, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(s.tokens * s.top_k, s.d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    grads = {}
+
+    def step(key):
+        def run():
+            grads[key] = torch.autograd.grad(ex(x, counts), [x, *ex.parameters()], dy)
+        return run
+
+    fns = {"default": step("default"), "switched": _with_env(step("switched"), env)}
+    saved = {"default": _saved_bytes(lambda: ex(x, counts)),
+             "switched": _with_env(lambda: _saved_bytes(lambda: ex(x, counts)), env)()}
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    diff = max((a.float() - b.float()).abs().max().item()
+               for a, b in zip(grads["default"], grads["switched"], strict=True))
+    samples = {k: [] for k in fns}
+    keys = list(fns)
+    for r in range(ROUNDS):
+        for k in keys[r % 2:] + keys[: r % 2]:
+            samples[k].append(bench_ms(fns[k], warmup_ms=30, rep_ms=150))
+    cells = []
+    for k in keys:
+        ratios = sorted(a / b for a, b in zip(samples[k], samples["default"], strict=True))
+        q = ROUNDS // 4
+        cells.append(f"{k} {sorted(samples[k])[ROUNDS // 2]:.2f} ms x{ratios[ROUNDS // 2]:.3f} "
+                     f"[{ratios[q]:.3f}-{ratios[-1 - q]:.3f}] saved {saved[k] / 2**30:.2f} GiB")
+    print(f"{name} {env}: max |grad diff| {diff:.1e} | " + " | ".join(cells), flush=True)
+
+
+def main(args):
+    env = dict(a.split("=", 1) for a in args if "=" in a)
+    print(environment())
+    for name in [a for a in args if "=" not in a] or ["gpt-oss-20b", "gpt-oss-120b"]:
+        _compare(name, env)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
