@@ -71,8 +71,7 @@ DSWIGLU = tl.constexpr(2)
 COLSUM_NONE = tl.constexpr(0)  # the column-sum modes of the ragged-K kernel
 COLSUM_ROW = tl.constexpr(1)
 COLSUM_VIRTUAL = tl.constexpr(2)
-EPI_ROWS = tl.constexpr(8)  # rows per step of the rows-ragged epilogue
-EPI_STEPS = tl.constexpr(8)  # its steps: 64 rows, a consumer's half of a tile
+EPI_ROWS = tl.constexpr(16)  # rows per step of the epilogue
 
 
 # --------------------------------------------------------------------------------------------------
@@ -182,17 +181,12 @@ def _load_partition(a_desc, b_desc, aux_desc, a_bufs, b_bufs, bufs, ready, empty
     nbytes: gl.constexpr = a_desc.block_type.nbytes + B_PER_STAGE * b_desc.block_type.nbytes
     idx = 0
     phase = 1  # the first pass over the ring finds every stage free
-    if EPILOGUE == DSWIGLU:
-        t_end = total
-    else:  # the consumers' schedule (_mma_partition): >= EPI_STEPS K steps, a last EPI_STEPS-step tile
-        k_iters = gl.maximum(k_iters, EPI_STEPS)  # steps past K read zeros
-        t_end = total + NUM_SMS
     nxt = _tile_clamped(gl.program_id(0), total, table, tiles_n, BLOCK_M, GROUP_M)
-    for t in range(gl.program_id(0), t_end, NUM_SMS):
+    for t in range(gl.program_id(0), total, NUM_SMS):
         g, row, end, pid_n = nxt
         nxt = _tile_clamped(t + NUM_SMS, total, table, tiles_n, BLOCK_M, GROUP_M)
         col = pid_n * BLOCK_N
-        for ki in range(gl.where(t < total, k_iters, EPI_STEPS)):
+        for ki in range(k_iters):
             k = ki * BLOCK_K
             mbarrier.wait(empty.index(idx), phase)
             bar = ready.index(idx)
@@ -289,17 +283,17 @@ def _unpack_pairs(w):
 
 
 @gluon.jit
-def _epilogue_step(buf, c_ptr, stride_c, out2_ptr, stride_out2, row, end, pid_n, N, S: gl.constexpr,
-                   EPILOGUE: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr):
-    """Step S (of EPI_STEPS) of the epilogue of one consumer's rows [row, row + HALF) of a tile, staged
-    in ``buf`` (see the module doc): the staged rows [S * EPI_ROWS, (S + 1) * EPI_ROWS) are stored by
-    masked stores if the group's end cuts the tile (a full one left by TMA), and their SwiGLU is
-    computed and stored. SWIGLU reads the staged aux as int32 words of bf16 pairs, and c_ptr is aux's
-    word view (stride in words)."""
+def _epilogue(buf, c_desc, c_ptr, stride_c, out2_ptr, stride_out2, row, end, pid_n, N,
+              EPILOGUE: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr):
+    """Store one consumer's rows [row, row + HALF) of a tile, staged in ``buf`` (see the module doc).
+
+    A full tile leaves by one TMA store; a tile cut by its group's end by masked stores. SWIGLU reads
+    the staged aux as int32 words of bf16 pairs, and c_ptr is aux's word view (stride in words)."""
     HALF: gl.constexpr = buf.shape[0]
     BLOCK_N: gl.constexpr = buf.shape[1]
     R: gl.constexpr = EPI_ROWS
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
+    rows_in = gl.arange(0, R, layout=gl.SliceLayout(1, layout))
     if EPILOGUE == SWIGLU:  # BLOCK_N // 2 (gate, linear) words per row
         W: gl.constexpr = BLOCK_N // 2
         src = buf._reinterpret(gl.int32, [HALF, W], gl.NVMMASharedLayout.get_default_for([HALF, W], gl.int32))
@@ -309,17 +303,21 @@ def _epilogue_step(buf, c_ptr, stride_c, out2_ptr, stride_out2, row, end, pid_n,
     cols = pid_n * W + gl.arange(0, W, layout=gl.SliceLayout(0, layout))
     c_cols = N // 2 if EPILOGUE == SWIGLU else N
     full = row + HALF <= end
+    if full:  # the staged tile is the output (plain) or aux (SwiGLU) as it stands
+        tma.async_copy_shared_to_global(c_desc, [row, pid_n * BLOCK_N], buf)
     if (EPILOGUE == SWIGLU) | (not full):
-        rows = row + S * R + gl.arange(0, R, layout=gl.SliceLayout(1, layout))
-        rows64 = rows.to(gl.int64)[:, None]
-        mask = (rows[:, None] < end) & (cols[None, :] < c_cols)
-        x = src.slice(S * R, R, dim=0).load(layout)  # (a shared-memory slice needs a constant start)
-        if not full:
-            gl.store(c_ptr + rows64 * stride_c + cols[None, :], x, mask=mask)
-        if EPILOGUE == SWIGLU:
-            gate, lin = _unpack_pairs(x)
-            h = swiglu_apply(gate, lin, ALPHA, LIMIT, OFFSET)
-            gl.store(out2_ptr + rows64 * stride_out2 + cols[None, :], h.to(out2_ptr.dtype.element_ty), mask=mask)
+        for r0 in gl.static_range(0, HALF, R):  # (unrolled: a shared-memory slice needs a constant start)
+            rows = row + r0 + rows_in
+            rows64 = rows.to(gl.int64)[:, None]
+            mask = (rows[:, None] < end) & (cols[None, :] < c_cols)
+            x = src.slice(r0, R, dim=0).load(layout)
+            if not full:
+                gl.store(c_ptr + rows64 * stride_c + cols[None, :], x, mask=mask)
+            if EPILOGUE == SWIGLU:
+                gate, lin = _unpack_pairs(x)
+                h = swiglu_apply(gate, lin, ALPHA, LIMIT, OFFSET)
+                gl.store(out2_ptr + rows64 * stride_out2 + cols[None, :], h.to(out2_ptr.dtype.element_ty),
+                         mask=mask)
 
 
 @gluon.jit
@@ -338,53 +336,36 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, o
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
     total = gl.load(table) * tiles_n
-    k_iters = gl.maximum(gl.cdiv(K, BLOCK_K), EPI_STEPS)  # the loader reads zeros past K
+    k_iters = gl.cdiv(K, BLOCK_K)
     idx = 0
     phase = 0
-    # the next tile's table entry and bias load during this tile's main loop, off the critical path
+    # the next tile's table entry and bias load during this tile's main loop and epilogue, off the
+    # critical path
     nxt = _tile_clamped(gl.program_id(0), total, table, tiles_n, BLOCK_M, GROUP_M)
     if HAS_BIAS:
         bias = _bias_row(bias_ptr, stride_bias, nxt[0], nxt[3], N, BLOCK_N, acc_layout)
-    # A finished tile is staged in buf (and a full one sent out by TMA) at once; the rest of its
-    # epilogue (SwiGLU, or the masked stores of a tile cut by its group's end) runs during the next
-    # tile's first EPI_STEPS K steps, one step under each wgmma, so that the tensor cores do not idle
-    # through it. The last tile's runs under EPI_STEPS K steps of one more tile, whose result is
-    # dropped. (Holding the tile in registers until the next tile's first wgmma spills with the bias.)
-    out_row = 0
-    out_end = 0
-    out_pid_n = 0
-    for t in range(gl.program_id(0), total + NUM_SMS, NUM_SMS):
+    for t in range(gl.program_id(0), total, NUM_SMS):
         g, row, end, pid_n = nxt
         nxt = _tile_clamped(t + NUM_SMS, total, table, tiles_n, BLOCK_M, GROUP_M)
-        pending = t > gl.program_id(0)  # the previous tile is in buf
         acc = gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout)
         if HAS_BIAS:  # the accumulator starts from the bias: no registers held for it in the epilogue
             acc = acc + bias.to(gl.float32)[None, :]
         acc = warpgroup_mma_init(acc)
-        for ki in range(gl.where(t < total, k_iters, EPI_STEPS)):
+        for ki in range(k_iters):
             if B_TRANS:
                 b = b_bufs.index(idx).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
             else:
                 b = b_bufs.index(idx).reshape([BLOCK_K, BLOCK_N])
             a = a_bufs.index(idx).slice(CONSUMER * HALF, HALF, dim=0)
             acc, idx, phase = _ring_mma(a, b, acc, ready, empty, idx, phase, ki, STAGES)
-            if pending & (ki < EPI_STEPS):
-                for s in gl.static_range(EPI_STEPS):
-                    if ki == s:
-                        _epilogue_step(buf, c_ptr, stride_c, out2_ptr, stride_out2, out_row, out_end, out_pid_n,
-                                       N, s, EPILOGUE, ALPHA, LIMIT, OFFSET)
         acc = _ring_drain(acc, empty, idx, k_iters, STAGES)
         if HAS_BIAS:
             bias = _bias_row(bias_ptr, stride_bias, nxt[0], nxt[3], N, BLOCK_N, acc_layout)
-        out_row = row + CONSUMER * HALF
-        out_end = end
-        out_pid_n = pid_n
-        if t < total:
-            tma.store_wait(0)  # the previous tile's TMA store has read buf
-            buf.store(acc.to(buf.dtype))
-            fence_async_shared()
-            if out_row + HALF <= out_end:  # a full tile leaves as it stands (plain) or as aux (SwiGLU)
-                tma.async_copy_shared_to_global(c_desc, [out_row, pid_n * BLOCK_N], buf)
+        tma.store_wait(0)  # the previous tile's TMA store has read buf
+        buf.store(acc.to(buf.dtype))
+        fence_async_shared()
+        _epilogue(buf, c_desc, c_ptr, stride_c, out2_ptr, stride_out2, row + CONSUMER * HALF, end, pid_n, N,
+                  EPILOGUE, ALPHA, LIMIT, OFFSET)
     tma.store_wait(0)
 
 
@@ -604,33 +585,20 @@ def _k_mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, colsum_ptr, stri
     phase = 0
     # the next tile's coordinates load during this tile's main loop, off the critical path
     nxt = _k_tile_at(gl.program_id(0), offs_ptr, KT, tiles_m, tiles_n, GROUP_M)
-    # a finished tile waits in registers (bf16) for the next tile's first wgmma to be issued, and is
-    # stored under it: the tensor cores do not idle through the shared-memory store
-    out = gl.zeros([HALF, BLOCK_N], buf.dtype, acc_layout)
-    out_g = 0
-    out_row = 0
-    out_col = 0
     for t in range(gl.program_id(0), total, NUM_SMS):
         g, pid_m, pid_n, k_start, k_end = nxt
         nxt = _k_tile_at(gl.minimum(t + NUM_SMS, total - 1), offs_ptr, KT, tiles_m, tiles_n, GROUP_M)
         row = pid_m * (2 * HALF) + CONSUMER * HALF
         col = pid_n * BLOCK_N
         k_iters = gl.cdiv(k_end - k_start, BLOCK_K)
-        pending = t > gl.program_id(0)  # the previous tile is in out
         acc = warpgroup_mma_init(gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout))
         for ki in range(k_iters):
             a = a_bufs.index(2 * idx + CONSUMER).reshape([BLOCK_K, HALF]).permute((1, 0))
             b = b_bufs.index(idx).reshape([BLOCK_K, BLOCK_N])
             acc, idx, phase = _ring_mma(a, b, acc, ready, empty, idx, phase, ki, STAGES)
-            if pending & (ki == 0):
-                _store_tile(buf, c_desc, out, out_g, out_row, out_col)
-        if pending & (k_iters == 0):  # an empty group: nothing to store under
-            _store_tile(buf, c_desc, out, out_g, out_row, out_col)
         acc = _ring_drain(acc, empty, idx, k_iters, STAGES)
-        out = acc.to(buf.dtype)
-        out_g = g
-        out_row = row
-        out_col = col
+        tma.store_wait(0)  # the previous tile's TMA store has read buf
+        buf.reshape([HALF, BLOCK_N]).store(acc.to(buf.dtype))
         if COLSUM != COLSUM_NONE:
             if (M_C >= row) & (M_C < row + HALF):
                 # the threads that hold row M_C store it as it is: no reduction, no second copy of acc
@@ -638,19 +606,9 @@ def _k_mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, colsum_ptr, stri
                 cols = col + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
                 ptrs = colsum_ptr + g.to(gl.int64) * stride_colsum + (rows * 0)[:, None] + cols[None, :]
                 gl.store(ptrs, acc, mask=(rows[:, None] == M_C) & (cols[None, :] < N))
-    if gl.program_id(0) < total:
-        _store_tile(buf, c_desc, out, out_g, out_row, out_col)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [g, row, col], buf)
     tma.store_wait(0)
-
-
-@gluon.jit
-def _store_tile(buf, c_desc, out, g, row, col):
-    """Stage one consumer's finished tile rows ``out`` (bf16) in ``buf`` once the previous TMA store has
-    read it, and send them to c[g, row:, col:] by TMA (which drops rows and columns past c)."""
-    tma.store_wait(0)
-    buf.reshape(out.shape).store(out)
-    fence_async_shared()
-    tma.async_copy_shared_to_global(c_desc, [g, row, col], buf)
 
 
 @gluon.jit
