@@ -255,7 +255,7 @@ def ws_gemm(a, b, offs, c, *, epilogue: int = WS_PLAIN, bias=None, out2=None, au
     b_trans = b.stride(2) != 1
     dsw = epilogue == WS_DSWIGLU
     box_n = bn // 2 if dsw else bn  # DSWIGLU: one B box per accumulator
-    a_desc = _row_bounded(a, [bm, bk], _ws_desc)  # rows past a tile's group end read zeros
+    a_desc = _ws_desc(a, [m, k], [a.stride(0), 1], [bm, bk])
     b_desc = (_ws_desc(b, [e, n, k], [b.stride(0), b.stride(2), 1], [1, box_n, bk]) if b_trans
               else _ws_desc(b, [e, k, n], [b.stride(0), b.stride(1), 1], [1, bk, box_n]))
     out2 = c if out2 is None else out2

@@ -167,8 +167,8 @@ def _load_aux_half(aux_desc, buf, aux_ready, aux_empty, row, col, HALF_J: gl.con
 def _load_partition(a_desc, b_desc, aux_desc, a_bufs, b_bufs, bufs, ready, empty, aux_ready, aux_empty,
                     table, K, tiles_n, NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                     B_TRANS: gl.constexpr, EPILOGUE: gl.constexpr):
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[2]
-    BLOCK_K: gl.constexpr = a_desc.block_type.shape[3]
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = bufs.shape[2]  # of the output tile; DSWIGLU loads B in two boxes
     if B_TRANS:
         BOX_N: gl.constexpr = b_desc.block_type.shape[1]
@@ -191,9 +191,7 @@ def _load_partition(a_desc, b_desc, aux_desc, a_bufs, b_bufs, bufs, ready, empty
             mbarrier.wait(empty.index(idx), phase)
             bar = ready.index(idx)
             mbarrier.expect(bar, nbytes)
-            # row-bounded (grouped_gemm.py's module doc): rows past the group's end read zeros
-            tma.async_copy_global_to_shared(a_desc, [ROW_BOUND_BIG, end, ROW_BOUND_BIG - end + row, k], bar,
-                                            a_bufs.index(idx))
+            tma.async_copy_global_to_shared(a_desc, [row, k], bar, a_bufs.index(idx))
             for j in gl.static_range(B_PER_STAGE):
                 if B_TRANS:  # memory (E, N, K)
                     tma.async_copy_global_to_shared(b_desc, [g, col + j * BOX_N, k], bar,
@@ -330,9 +328,9 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, o
                    EPILOGUE: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr):
     """Consumer warpgroup CONSUMER: rows [CONSUMER * HALF, (CONSUMER + 1) * HALF) of every tile,
     main loop then epilogue."""
-    BLOCK_M: gl.constexpr = a_bufs.shape[3]
+    BLOCK_M: gl.constexpr = a_bufs.shape[1]
     HALF: gl.constexpr = BLOCK_M // 2
-    BLOCK_K: gl.constexpr = a_bufs.shape[4]
+    BLOCK_K: gl.constexpr = a_bufs.shape[2]
     BLOCK_N: gl.constexpr = buf.shape[1]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
@@ -358,7 +356,7 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, o
                 b = b_bufs.index(idx).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
             else:
                 b = b_bufs.index(idx).reshape([BLOCK_K, BLOCK_N])
-            a = a_bufs.index(idx).reshape([BLOCK_M, BLOCK_K]).slice(CONSUMER * HALF, HALF, dim=0)
+            a = a_bufs.index(idx).slice(CONSUMER * HALF, HALF, dim=0)
             acc, idx, phase = _ring_mma(a, b, acc, ready, empty, idx, phase, ki, STAGES)
         acc = _ring_drain(acc, empty, idx, k_iters, STAGES)
         if HAS_BIAS:
@@ -414,8 +412,8 @@ def _dswiglu_partition(a_bufs, b_bufs, ready, empty, buf, aux_ready, aux_empty, 
     then for each half the dSwiGLU epilogue on the aux half that the loader staged in ``buf``. One
     partition, not two, and a runtime loop over the halves: the epilogue is ~2k instructions per
     half, and four inlined copies overflowed the instruction cache (3x slower epilogues)."""
-    BLOCK_M: gl.constexpr = a_bufs.shape[3]
-    BLOCK_K: gl.constexpr = a_bufs.shape[4]
+    BLOCK_M: gl.constexpr = a_bufs.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.shape[2]
     BLOCK_N: gl.constexpr = buf.shape[1]
     BN2: gl.constexpr = BLOCK_N // 2
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -441,7 +439,7 @@ def _dswiglu_partition(a_bufs, b_bufs, ready, empty, buf, aux_ready, aux_empty, 
             else:
                 b0 = b_bufs.index(2 * idx).reshape([BLOCK_K, BN2])
                 b1 = b_bufs.index(2 * idx + 1).reshape([BLOCK_K, BN2])
-            acc0, acc1, idx, phase = _ring_mma2(a_bufs.index(idx).reshape([BLOCK_M, BLOCK_K]), b0, b1, acc0, acc1, ready, empty, idx, phase,
+            acc0, acc1, idx, phase = _ring_mma2(a_bufs.index(idx), b0, b1, acc0, acc1, ready, empty, idx, phase,
                                                 ki, STAGES)
         acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))  # _ring_drain for the two accumulators
         _free_previous(empty, idx, k_iters > 0, STAGES)
