@@ -43,55 +43,54 @@ def main(names):
 def _compare(name):
     spec = SwiGLU()
     sms = config.num_sms(torch.device("cuda"))
-    if True:
-        offs, h, dout, aux, dh = _problem(name)
+    offs, h, dout, aux, dh = _problem(name)
 
-        def gemm(cap=None):
-            saved = config.num_sms
-            if cap is not None:
-                config.num_sms = lambda device: cap
-            try:
-                return _ragged_k(h.mT, dout, offs, dout.dtype, None, colsum=True)
-            finally:
-                config.num_sms = saved
+    def gemm(cap=None):
+        saved = config.num_sms
+        if cap is not None:
+            config.num_sms = lambda device: cap
+        try:
+            return _ragged_k(h.mT, dout, offs, dout.dtype, None, colsum=True)
+        finally:
+            config.num_sms = saved
 
-        def seq():
-            gemm()
-            swiglu_bwd(aux, dh, spec)
+    def seq():
+        gemm()
+        swiglu_bwd(aux, dh, spec)
 
-        def par(free, side, pass_first=False):
-            def run():
-                main_stream = torch.cuda.current_stream()
-                side.wait_stream(main_stream)
-                if not pass_first:
-                    gemm(sms - free)
-                with torch.cuda.stream(side):
-                    swiglu_bwd(aux, dh, spec)
-                if pass_first:
-                    gemm(sms - free)
-                main_stream.wait_stream(side)
-            return run
+    def par(free, side, pass_first=False):
+        def run():
+            main_stream = torch.cuda.current_stream()
+            side.wait_stream(main_stream)
+            if not pass_first:
+                gemm(sms - free)
+            with torch.cuda.stream(side):
+                swiglu_bwd(aux, dh, spec)
+            if pass_first:
+                gemm(sms - free)
+            main_stream.wait_stream(side)
+        return run
 
-        low, high = torch.cuda.Stream(), torch.cuda.Stream(priority=-1)
-        fns = {"gemm": gemm, "pass": lambda: swiglu_bwd(aux, dh, spec), "seq": seq}
-        for free in (0, 8, 16, 24, 32, 48):
-            fns[f"par{free}"] = par(free, low)
-        fns["par16-hi"] = par(16, high)
-        fns["par24-hi"] = par(24, high)
-        fns["par0-passfirst"] = par(0, low, pass_first=True)
-        for fn in fns.values():
-            fn()
-        torch.cuda.synchronize()
-        samples = {k: [] for k in fns}
-        keys = list(fns)
-        for r in range(ROUNDS):
-            for k in keys[r % len(keys):] + keys[: r % len(keys)]:
-                samples[k].append(bench_ms(fns[k], warmup_ms=5, rep_ms=30))
-        cells = []
-        for k in keys:
-            ratios = sorted(x / y for x, y in zip(samples[k], samples["seq"], strict=True))
-            cells.append(f"{k} {sorted(samples[k])[ROUNDS // 2]:.3f} ms x{ratios[ROUNDS // 2]:.3f}")
-        print(f"{name}: " + " | ".join(cells), flush=True)
+    low, high = torch.cuda.Stream(), torch.cuda.Stream(priority=-1)
+    fns = {"gemm": gemm, "pass": lambda: swiglu_bwd(aux, dh, spec), "seq": seq}
+    for free in (0, 8, 16, 24, 32, 48):
+        fns[f"par{free}"] = par(free, low)
+    fns["par16-hi"] = par(16, high)
+    fns["par24-hi"] = par(24, high)
+    fns["par0-passfirst"] = par(0, low, pass_first=True)
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    samples = {k: [] for k in fns}
+    keys = list(fns)
+    for r in range(ROUNDS):
+        for k in keys[r % len(keys):] + keys[: r % len(keys)]:
+            samples[k].append(bench_ms(fns[k], warmup_ms=5, rep_ms=30))
+    cells = []
+    for k in keys:
+        ratios = sorted(x / y for x, y in zip(samples[k], samples["seq"], strict=True))
+        cells.append(f"{k} {sorted(samples[k])[ROUNDS // 2]:.3f} ms x{ratios[ROUNDS // 2]:.3f}")
+    print(f"{name}: " + " | ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

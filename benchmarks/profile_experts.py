@@ -1,4 +1,6 @@
-"""Per-kernel CUDA time of one GptOssExperts training step (forward + backward), via torch.profiler.
+"""Per-kernel CUDA time of one GptOssExperts training step (forward + backward), via torch.profiler,
+then the GPU's idle time inside a step: the wall time of 5 steps (CUDA events, no profiler) against
+the sum of their kernels, and the longest gaps between consecutive kernels with their neighbours.
 
     python benchmarks/profile_experts.py [--shape gpt-oss-20b]
 """
@@ -32,6 +34,20 @@ def main():
             torch.autograd.grad(ex(x, counts), params, dy)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    busy = sum(e.time_range.elapsed_us() for e in kernels) / 5e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        torch.autograd.grad(ex(x, counts), params, dy)
+    end.record()
+    torch.cuda.synchronize()
+    print(f"{args.shape}: {start.elapsed_time(end) / 5:.2f} ms per step (no profiler), kernels {busy:.2f} ms")
+    pairs = zip(kernels, kernels[1:], strict=False)
+    gaps = sorted(((b.time_range.start - a.time_range.end, a.name, b.name) for a, b in pairs), reverse=True)
+    for gap, before, after in gaps[:8]:
+        print(f"  idle {gap / 1e3:.3f} ms between {before[:50]} and {after[:50]}")
 
 
 if __name__ == "__main__":
