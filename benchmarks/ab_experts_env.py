@@ -12,7 +12,7 @@ import sys
 import torch
 
 from moekit import GptOssExperts
-from moekit.bench import SHAPES, bench_ms, environment
+from moekit.bench import SHAPES, environment, paired_ratios
 from moekit.bench.experts import _saved_bytes
 from moekit.testing import routed_counts
 
@@ -57,17 +57,9 @@ def _compare(name, env):
     torch.cuda.synchronize()
     diff = max((a.float() - b.float()).abs().max().item()
                for a, b in zip(grads["default"], grads["switched"], strict=True))
-    samples = {k: [] for k in fns}
-    keys = list(fns)
-    for r in range(ROUNDS):
-        for k in keys[r % 2:] + keys[: r % 2]:
-            samples[k].append(bench_ms(fns[k], warmup_ms=30, rep_ms=150))
-    cells = []
-    for k in keys:
-        ratios = sorted(a / b for a, b in zip(samples[k], samples["default"], strict=True))
-        q = ROUNDS // 4
-        cells.append(f"{k} {sorted(samples[k])[ROUNDS // 2]:.2f} ms x{ratios[ROUNDS // 2]:.3f} "
-                     f"[{ratios[q]:.3f}-{ratios[-1 - q]:.3f}] saved {saved[k] / 2**30:.2f} GiB")
+    cells = [f"{cell} saved {saved[k] / 2**30:.2f} GiB"
+             for k, cell in zip(fns, paired_ratios(fns, "default", rounds=ROUNDS, warmup_ms=30, rep_ms=150),
+                                strict=True)]
     print(f"{name} {env}: max |grad diff| {diff:.1e} | " + " | ".join(cells), flush=True)
 
 

@@ -25,7 +25,7 @@ sys.path.insert(0, "abtest")
 import moekit_old.grouped_gemm as old  # noqa: E402
 
 import moekit.grouped_gemm as new  # noqa: E402
-from moekit.bench import SHAPES, bench_ms, environment  # noqa: E402
+from moekit.bench import SHAPES, environment, paired_ratios  # noqa: E402
 from moekit.epilogue import SwiGLU  # noqa: E402
 from moekit.testing import offs_from_counts, routed_counts  # noqa: E402
 
@@ -105,17 +105,7 @@ def _compare(name, label):
     if n is None or kw.get("epilogue") == new.WS_SWIGLU:  # also the column sums, or h
         diff = max([diff] + [(s.float() - outs["old"][1].float()).abs().max().item()
                              for _, s in outs.values() if s is not None])
-    names = list(fns)
-    samples = {k: [] for k in names}
-    for r in range(ROUNDS):
-        for k in names[r % len(names):] + names[: r % len(names)]:
-            samples[k].append(bench_ms(fns[k], warmup_ms=5, rep_ms=30))
-    cells = []
-    for k in names:
-        ratios = sorted(x / y for x, y in zip(samples[k], samples["old"], strict=True))
-        q = len(ratios) // 4
-        cells.append(f"{k} {sorted(samples[k])[len(ratios) // 2]:.3f} ms x{ratios[len(ratios) // 2]:.3f} "
-                     f"[{ratios[q]:.3f}-{ratios[-1 - q]:.3f}]")
+    cells = paired_ratios(fns, "old", rounds=ROUNDS)
     print(f"{name} {label}: max |new - old| {diff:.1e} | " + " | ".join(cells), flush=True)
 
 

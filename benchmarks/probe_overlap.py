@@ -12,7 +12,7 @@ import sys
 import torch
 
 from moekit import config
-from moekit.bench import SHAPES, bench_ms, environment
+from moekit.bench import SHAPES, environment, paired_ratios
 from moekit.epilogue import SwiGLU
 from moekit.experts import swiglu_bwd
 from moekit.grouped_gemm import _ragged_k
@@ -81,15 +81,7 @@ def _compare(name):
     for fn in fns.values():
         fn()
     torch.cuda.synchronize()
-    samples = {k: [] for k in fns}
-    keys = list(fns)
-    for r in range(ROUNDS):
-        for k in keys[r % len(keys):] + keys[: r % len(keys)]:
-            samples[k].append(bench_ms(fns[k], warmup_ms=5, rep_ms=30))
-    cells = []
-    for k in keys:
-        ratios = sorted(x / y for x, y in zip(samples[k], samples["seq"], strict=True))
-        cells.append(f"{k} {sorted(samples[k])[ROUNDS // 2]:.3f} ms x{ratios[ROUNDS // 2]:.3f}")
+    cells = paired_ratios(fns, "seq", rounds=ROUNDS)
     print(f"{name}: " + " | ".join(cells), flush=True)
 
 

@@ -104,10 +104,9 @@ def _run(fns, x, w1, b1, w2, b2, offs, kw):
 NAMES = ("h", "aux", "out", "dx", "dw1", "db1", "dw2", "db2")
 
 
-@pytest.mark.parametrize("counts, m, d, f", CASES)
-@pytest.mark.parametrize("variant", ["gpt-oss", "gpt-oss-halves"])
-def test_forward_and_backward(interpreter, tma_path, counts, m, d, f, variant):
-    kw = VARIANTS[variant]
+def _check_chain(kw, counts, m, d, f):
+    """Run the fused chain forward and backward and hold it to the reference's error; returns the
+    leaves (x, w1, b1, w2, b2, with their gradients), h, aux, out and offs."""
     x, w1, b1, w2, b2, offs = _expert_inputs(counts, m, d, f)
     leaves = [_leaf(t) for t in (x, w1, b1, w2, b2)]
     h, aux, out = _run((grouped_mm_swiglu, grouped_mm_downproj), *leaves, offs, kw)
@@ -119,6 +118,13 @@ def test_forward_and_backward(interpreter, tma_path, counts, m, d, f, variant):
 
     grads = None if m == 0 else [leaf.grad for leaf in leaves]
     assert_run_within_reference(ref_chain, (x, w1, b1, w2, b2), dy, (h, aux, out), grads, names=NAMES)
+    return leaves, h, aux, out, offs
+
+
+@pytest.mark.parametrize("counts, m, d, f", CASES)
+@pytest.mark.parametrize("variant", ["gpt-oss", "gpt-oss-halves"])
+def test_forward_and_backward(interpreter, tma_path, counts, m, d, f, variant):
+    leaves, h, aux, out, offs = _check_chain(VARIANTS[variant], counts, m, d, f)
     tail = int(offs[-1]) if m else 0
     assert (out[tail:] == 0).all() and (aux[tail:] == 0).all() and (h[tail:] == 0).all()
     if m == 0:  # no rows: every parameter gradient is an exact zero (the ones-row wgrad included)
@@ -135,18 +141,7 @@ def test_down_weight_gradient_from_saved_or_recomputed_h(interpreter, monkeypatc
     here) and from h recomputed out of aux in the backward (``MOEKIT_RECOMPUTE_H=1``; db_down from
     the ones column the recompute appends): both within the reference's error."""
     monkeypatch.setenv("MOEKIT_RECOMPUTE_H", recompute)
-    kw = VARIANTS["gpt-oss"]
-    x, w1, b1, w2, b2, offs = _expert_inputs([10, 0, 22], 40, 32, 24)
-    leaves = [_leaf(t) for t in (x, w1, b1, w2, b2)]
-    h, aux, out = _run((grouped_mm_swiglu, grouped_mm_downproj), *leaves, offs, kw)
-    dy = torch.randn_like(out)
-    out.backward(dy)
-
-    def ref_chain(*ls):
-        return _run((grouped_mm_swiglu_ref, grouped_mm_downproj_ref), *ls, offs, kw)
-
-    assert_run_within_reference(ref_chain, (x, w1, b1, w2, b2), dy, (h, aux, out), [t.grad for t in leaves],
-                                names=NAMES)
+    leaves = _check_chain(VARIANTS["gpt-oss"], [10, 0, 22], 40, 32, 24)[0]
     assert not leaves[3].grad[1].any() and not leaves[4].grad[1].any()  # the empty expert's
 
 

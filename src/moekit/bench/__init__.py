@@ -73,6 +73,24 @@ def interleaved_ms(fns: dict, *, rounds: int = 3, rep_ms: float = 100, tolerate_
     return {n: sorted(v)[len(v) // 2] for n, v in samples.items()}
 
 
+def paired_ratios(fns: dict, base: str, *, rounds: int, warmup_ms: float = 5, rep_ms: float = 30) -> list[str]:
+    """A/B in paired rounds: each round times every entry of ``fns`` in a rotating order, and each
+    entry's ratio to ``base`` is taken within the round, which cancels the clock drift that moves
+    unpaired medians by 2-5%. Returns one cell per entry: median ms, median ratio [quartiles]."""
+    names = list(fns)
+    samples = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names) :] + names[: r % len(names)]:
+            samples[n].append(bench_ms(fns[n], warmup_ms=warmup_ms, rep_ms=rep_ms))
+    cells = []
+    for n in names:
+        ratios = sorted(x / y for x, y in zip(samples[n], samples[base], strict=True))
+        q = rounds // 4
+        cells.append(f"{n} {sorted(samples[n])[rounds // 2]:.3f} ms x{ratios[rounds // 2]:.3f} "
+                     f"[{ratios[q]:.3f}-{ratios[-1 - q]:.3f}]")
+    return cells
+
+
 def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
     src = torch.randn(nbytes // 4, device="cuda")
