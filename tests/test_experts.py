@@ -145,6 +145,17 @@ def test_down_weight_gradient_from_saved_or_recomputed_h(interpreter, monkeypatc
     assert not leaves[3].grad[1].any() and not leaves[4].grad[1].any()  # the empty expert's
 
 
+@pytest.mark.parametrize("w_down_trained", [True, False], ids=["w-down-trained", "w-down-frozen"])
+def test_h_is_saved_only_for_a_down_weight_gradient(interpreter, w_down_trained):
+    """The forward keeps h alive only when dW_down will need it (config.save_h)."""
+    x, w1, b1, w2, b2, offs = _expert_inputs([10, 0, 22], 40, 32, 24)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        h, aux = grouped_mm_swiglu(_leaf(x), w1, offs, bias=b1)
+        grouped_mm_downproj(h, w2.requires_grad_(w_down_trained), offs, bias=b2, aux_biased_acc=aux)
+    assert any(t is h for t in saved) == w_down_trained
+
+
 @pytest.mark.parametrize("variant", ["no-limit", "plain-silu-halves"])
 def test_variants_without_bias_and_contiguous_weights(interpreter, variant):
     kw = VARIANTS[variant]

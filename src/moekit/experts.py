@@ -440,8 +440,10 @@ def _downproj_setup(ctx, inputs, output):
     h, w, offs, bias, aux, alpha, limit, linear_offset, layout = inputs
     ctx.spec = (alpha, limit, linear_offset, layout)
     ctx.fused = aux is not None
-    # With aux, the weight gradient takes h saved (config.save_h) or recomputed from aux.
-    ctx.save_for_backward(aux if ctx.fused else h, h if ctx.fused and config.save_h() else None, w, offs, bias)
+    # With aux, the weight gradient takes h saved (config.save_h) or recomputed from aux; h is kept
+    # only for a weight that needs a gradient.
+    keep_h = ctx.fused and config.save_h() and ctx.needs_input_grad[1]
+    ctx.save_for_backward(aux if ctx.fused else h, h if keep_h else None, w, offs, bias)
 
 
 def _downproj_backward(ctx, grad):
