@@ -234,6 +234,27 @@ def ws_ok(a: torch.Tensor, b: torch.Tensor, *outs: torch.Tensor) -> bool:
     )
 
 
+def ws_rows_setup(a, b, offs, c, out2, *, box_n: int):
+    """What every rows-ragged warp-specialized launch needs: the TMA descriptors of a (M, K) and
+    b (E, K, N) (``box_n`` columns per B box), the device-side row-tile table (which also zero-fills
+    the rows of c and out2 past offs[-1]), and the number of persistent programs."""
+    from ._kernels import hopper_gemm as hk  # Gluon: imported only where it runs
+
+    (m, k), (e, _, n) = a.shape, b.shape
+    bm, bn, bk = _WS_TILE
+    a_desc = _ws_desc(a, [m, k], [a.stride(0), 1], [bm, bk])
+    b_desc = (_ws_desc(b, [e, n, k], [b.stride(0), b.stride(2), 1], [1, box_n, bk]) if b.stride(2) != 1
+              else _ws_desc(b, [e, k, n], [b.stride(0), b.stride(1), 1], [1, bk, box_n]))
+    max_row_tiles = triton.cdiv(m, bm) + e
+    table = torch.empty(4 * (max_row_tiles + 1), dtype=torch.int32, device=a.device)
+    hk._tile_table_kernel[(max(triton.cdiv(max_row_tiles, 128), 8),)](
+        offs, table, c, out2, m, c.shape[1], out2.shape[1] if out2 is not c else 0, e,
+        c.stride(0), out2.stride(0), max_row_tiles,
+        BLOCK_M=bm, BLOCK_E=triton.next_power_of_2(e + 1), BLOCK_T=128, BLOCK_Z=32, num_warps=4,
+    )
+    return a_desc, b_desc, table, min(config.num_sms(a.device), max_row_tiles * triton.cdiv(n, bn))
+
+
 def ws_gemm(a, b, offs, c, *, epilogue: int = WS_PLAIN, bias=None, out2=None, aux=None, spec=None):
     """Rows-ragged GEMM on the warp-specialized Hopper kernel (check ``ws_ok`` first).
 
@@ -250,26 +271,15 @@ def ws_gemm(a, b, offs, c, *, epilogue: int = WS_PLAIN, bias=None, out2=None, au
     Rows past offs[-1] of c and out2 are zero."""
     from ._kernels import hopper_gemm as hk  # Gluon: imported only where it runs
 
-    (m, k), (e, _, n) = a.shape, b.shape
+    (m, k), n = a.shape, b.shape[2]
     bm, bn, bk = _WS_TILE
-    b_trans = b.stride(2) != 1
     dsw = epilogue == WS_DSWIGLU
-    box_n = bn // 2 if dsw else bn  # DSWIGLU: one B box per accumulator
-    a_desc = _ws_desc(a, [m, k], [a.stride(0), 1], [bm, bk])
-    b_desc = (_ws_desc(b, [e, n, k], [b.stride(0), b.stride(2), 1], [1, box_n, bk]) if b_trans
-              else _ws_desc(b, [e, k, n], [b.stride(0), b.stride(1), 1], [1, bk, box_n]))
     out2 = c if out2 is None else out2
-    max_row_tiles = triton.cdiv(m, bm) + e
-    table = torch.empty(4 * (max_row_tiles + 1), dtype=torch.int32, device=a.device)
-    hk._tile_table_kernel[(max(triton.cdiv(max_row_tiles, 128), 8),)](
-        offs, table, c, out2, m, c.shape[1], out2.shape[1] if out2 is not c else 0, e,
-        c.stride(0), out2.stride(0), max_row_tiles,
-        BLOCK_M=bm, BLOCK_E=triton.next_power_of_2(e + 1), BLOCK_T=128, BLOCK_Z=32, num_warps=4,
-    )
+    a_desc, b_desc, table, programs = ws_rows_setup(a, b, offs, c, out2, box_n=bn // 2 if dsw else bn)
+    b_trans = b.stride(2) != 1
     # aux / d_aux as int32 words of bf16 pairs
     c_arg = c.view(torch.int32) if epilogue in (WS_SWIGLU, WS_DSWIGLU) else c
     sw = spec.constexprs() if spec is not None else dict(ALPHA=1.0, LIMIT=None, OFFSET=0.0)
-    programs = min(config.num_sms(a.device), max_row_tiles * triton.cdiv(n, bn))
     common = dict(NUM_SMS=programs, GROUP_M=_WS_GROUP_M, STAGES=_WS_STAGES, B_TRANS=b_trans,
                   ALPHA=sw["ALPHA"], LIMIT=sw["LIMIT"], OFFSET=sw["OFFSET"], maxnreg=168)
     if dsw:  # one 8-warp consumer partition (hopper_gemm.py)
