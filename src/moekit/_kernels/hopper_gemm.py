@@ -544,19 +544,14 @@ def _k_load_partition(a_desc, ones_desc, b_desc, a_bufs, b_bufs, ready, empty, o
     nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
     idx = 0
     phase = 1  # the first pass over the ring finds every stage free
-    # the next tile's offs load during this tile's loads: a short-K tile (12 K steps at gpt-oss-120b)
-    # gives the three stages of run-ahead little room for that latency at each tile start
-    nxt = _k_tile_at(gl.program_id(0), offs_ptr, KT, tiles_m, tiles_n, GROUP_M)
     for t in range(gl.program_id(0), total, NUM_SMS):
-        g, pid_m, pid_n, k_start, k_end = nxt
-        nxt = _k_tile_at(gl.minimum(t + NUM_SMS, total - 1), offs_ptr, KT, tiles_m, tiles_n, GROUP_M)
+        g, pid_m, pid_n, k_start, k_end = _k_tile_at(t, offs_ptr, KT, tiles_m, tiles_n, GROUP_M)
         row = pid_m * (2 * HALF)
         col = pid_n * BLOCK_N
         # row-bounded boxes (grouped_gemm.py's module doc): rows of the ragged dim >= k_end read 0
         big_k = ROW_BOUND_BIG - k_end
         ones_tile = (COLSUM == COLSUM_VIRTUAL) & (pid_m == tiles_m - 1)
-        for ki in range(gl.cdiv(k_end - k_start, BLOCK_K)):
-            k = k_start + ki * BLOCK_K
+        for k in range(k_start, k_end, BLOCK_K):
             mbarrier.wait(empty.index(idx), phase)
             bar = ready.index(idx)
             mbarrier.expect(bar, nbytes)
