@@ -235,9 +235,11 @@ def ws_ok(a: torch.Tensor, b: torch.Tensor, *outs: torch.Tensor) -> bool:
 
 
 def ws_rows_setup(a, b, offs, c, out2, *, box_n: int):
-    """What every rows-ragged warp-specialized launch needs: the TMA descriptors of a (M, K) and
-    b (E, K, N) (``box_n`` columns per B box), the device-side row-tile table (which also zero-fills
-    the rows of c and out2 past offs[-1]), and the number of persistent programs."""
+    """What every rows-ragged warp-specialized launch needs, for a (M, K) bf16 row-major, b (E, K, N)
+    with a unit stride along K or N, offs (E,) int32, and outputs c (M, N) and out2 (M, N2) (c again
+    when there is one output): the TMA descriptors of a and b (``box_n`` columns per B box), the
+    device-side row-tile table (its kernel also zero-fills the rows of c and out2 past offs[-1]), and
+    the number of persistent programs. Returns (a_desc, b_desc, table, programs)."""
     from ._kernels import hopper_gemm as hk  # Gluon: imported only where it runs
 
     (m, k), (e, _, n) = a.shape, b.shape
@@ -275,7 +277,8 @@ def ws_gemm(a, b, offs, c, *, epilogue: int = WS_PLAIN, bias=None, out2=None, au
     bm, bn, bk = _WS_TILE
     dsw = epilogue == WS_DSWIGLU
     out2 = c if out2 is None else out2
-    a_desc, b_desc, table, programs = ws_rows_setup(a, b, offs, c, out2, box_n=bn // 2 if dsw else bn)
+    box_n = bn // 2 if dsw else bn  # DSWIGLU: one B box per accumulator
+    a_desc, b_desc, table, programs = ws_rows_setup(a, b, offs, c, out2, box_n=box_n)
     b_trans = b.stride(2) != 1
     # aux / d_aux as int32 words of bf16 pairs
     c_arg = c.view(torch.int32) if epilogue in (WS_SWIGLU, WS_DSWIGLU) else c
