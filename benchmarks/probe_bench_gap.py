@@ -17,7 +17,7 @@ from probe_power import _sampled
 from torch.profiler import ProfilerActivity, profile
 
 from moekit import GptOssExperts
-from moekit.bench import SHAPES, bench_ms, environment
+from moekit.bench import SHAPES, bench_ms, cuda_kernels, environment
 from moekit.bench.baselines import TorchtitanGptOssExperts
 from moekit.bench.experts import _dense_calls
 from moekit.testing import routed_counts
@@ -27,9 +27,7 @@ def _kernels(step):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                    key=lambda e: e.time_range.start)
-    return [(e.name, e.time_range.elapsed_us() / 1e3) for e in events]
+    return [(e.name, e.time_range.elapsed_us() / 1e3) for e in cuda_kernels(prof)]
 
 
 def _probe(name):

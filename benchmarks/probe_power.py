@@ -16,6 +16,9 @@ from moekit.bench import environment
 
 
 def _sampled(fn, seconds=1.5):
+    """(ms per call, median SM clock MHz, median board power W) of ``fn`` run back to back for
+    ``seconds``, the clock and power over the steady last two thirds. ``fn=None`` samples the idle GPU
+    (ms is nan)."""
     smi = subprocess.Popen(
         ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "50"],
         stdout=subprocess.PIPE, text=True,
@@ -24,11 +27,14 @@ def _sampled(fn, seconds=1.5):
     start = time.perf_counter()
     calls = 0
     while time.perf_counter() - start < seconds:
+        if fn is None:
+            time.sleep(0.05)
+            continue
         for _ in range(10):
             fn()
         calls += 10
         torch.cuda.synchronize()
-    ms = (time.perf_counter() - start) * 1e3 / calls
+    ms = (time.perf_counter() - start) * 1e3 / calls if calls else float("nan")
     smi.terminate()
     rows = [line.split(",") for line in smi.communicate()[0].splitlines() if line.strip()]
     steady = rows[len(rows) // 3:] or rows

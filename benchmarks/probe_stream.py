@@ -15,7 +15,6 @@ Energy per call is power x time; ``above idle`` subtracts the idle board power m
     python benchmarks/probe_stream.py [shape ...]
 """
 
-import subprocess
 import sys
 import time
 
@@ -24,19 +23,9 @@ from probe_power import _sampled
 from torch.profiler import ProfilerActivity, profile
 
 from moekit._kernels import hopper_probes as hp
-from moekit.bench import SHAPES, environment
+from moekit.bench import SHAPES, cuda_kernels, environment
 from moekit.grouped_gemm import _WS_GROUP_M, _WS_STAGES, _WS_TILE, _ws_desc, ws_gemm, ws_rows_setup
 from moekit.testing import routed_counts
-
-
-def _idle_watts(seconds=1.0):
-    torch.cuda.synchronize()
-    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=power.draw", "--format=csv,noheader,nounits", "-lms", "50"],
-                           stdout=subprocess.PIPE, text=True)
-    time.sleep(seconds)
-    smi.terminate()
-    watts = sorted(float(w) for w in smi.communicate()[0].split())
-    return watts[len(watts) // 2]
 
 
 def _launchers(x, b, offs, c):
@@ -89,13 +78,13 @@ def _probe(name, idle):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         cases["dense"]()
         torch.cuda.synchronize()
-    names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    names = {e.name for e in cuda_kernels(prof)}
     print(f"{name} dense kernel: {' | '.join(sorted(names))}")
 
 
 def main():
     print(environment())
-    idle = _idle_watts()
+    idle = _sampled(None, seconds=1.0)[2]
     print(f"idle board power {idle:.0f} W")
     for name in sys.argv[1:] or ["gpt-oss-20b", "gpt-oss-120b"]:
         _probe(name, idle)

@@ -11,7 +11,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from moekit import GptOssExperts
-from moekit.bench import SHAPES
+from moekit.bench import SHAPES, cuda_kernels
 from moekit.testing import routed_counts
 
 
@@ -34,8 +34,7 @@ def main():
             torch.autograd.grad(ex(x, counts), params, dy)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
-    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                     key=lambda e: e.time_range.start)
+    kernels = cuda_kernels(prof)
     busy = sum(e.time_range.elapsed_us() for e in kernels) / 5e3
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

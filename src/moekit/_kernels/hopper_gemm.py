@@ -245,6 +245,17 @@ def _advance(idx, phase, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _b_operand(box, B_TRANS: gl.constexpr):
+    """A ring stage's [1, BN, BK] (B_TRANS: weights (E, N, K)) or [1, BK, BN] B box as the wgmma's
+    (BK, BN) operand."""
+    if B_TRANS:
+        b = box.reshape([box.shape[1], box.shape[2]]).permute((1, 0))
+    else:
+        b = box.reshape([box.shape[1], box.shape[2]])
+    return b
+
+
+@gluon.jit
 def _ring_mma(a, b, acc, ready, empty, idx, phase, ki, STAGES: gl.constexpr):
     """One consumer step over the ring: wait for stage idx, issue its wgmma (a, b are views of that
     stage), and free the stage of the MMA before it once that one is done. Returns (acc, idx, phase)."""
@@ -352,12 +363,9 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, o
             acc = acc + bias.to(gl.float32)[None, :]
         acc = warpgroup_mma_init(acc)
         for ki in range(k_iters):
-            if B_TRANS:
-                b = b_bufs.index(idx).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
-            else:
-                b = b_bufs.index(idx).reshape([BLOCK_K, BLOCK_N])
             a = a_bufs.index(idx).slice(CONSUMER * HALF, HALF, dim=0)
-            acc, idx, phase = _ring_mma(a, b, acc, ready, empty, idx, phase, ki, STAGES)
+            acc, idx, phase = _ring_mma(a, _b_operand(b_bufs.index(idx), B_TRANS), acc, ready, empty, idx, phase,
+                                        ki, STAGES)
         acc = _ring_drain(acc, empty, idx, k_iters, STAGES)
         if HAS_BIAS:
             bias = _bias_row(bias_ptr, stride_bias, nxt[0], nxt[3], N, BLOCK_N, acc_layout)
@@ -433,12 +441,8 @@ def _dswiglu_partition(a_bufs, b_bufs, ready, empty, buf, aux_ready, aux_empty, 
         acc0 = warpgroup_mma_init(gl.zeros([BLOCK_M, BN2], gl.float32, acc_layout))
         acc1 = warpgroup_mma_init(gl.zeros([BLOCK_M, BN2], gl.float32, acc_layout))
         for ki in range(k_iters):
-            if B_TRANS:
-                b0 = b_bufs.index(2 * idx).reshape([BN2, BLOCK_K]).permute((1, 0))
-                b1 = b_bufs.index(2 * idx + 1).reshape([BN2, BLOCK_K]).permute((1, 0))
-            else:
-                b0 = b_bufs.index(2 * idx).reshape([BLOCK_K, BN2])
-                b1 = b_bufs.index(2 * idx + 1).reshape([BLOCK_K, BN2])
+            b0 = _b_operand(b_bufs.index(2 * idx), B_TRANS)
+            b1 = _b_operand(b_bufs.index(2 * idx + 1), B_TRANS)
             acc0, acc1, idx, phase = _ring_mma2(a_bufs.index(idx), b0, b1, acc0, acc1, ready, empty, idx, phase,
                                                 ki, STAGES)
         acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))  # _ring_drain for the two accumulators

@@ -20,7 +20,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .hopper_gemm import PLAIN, _advance, _load_partition, _shared_state
+from .hopper_gemm import PLAIN, _advance, _b_operand, _load_partition, _shared_state
 
 
 @gluon.jit
@@ -78,12 +78,8 @@ def _mma_only_partition(a_bufs, b_bufs, ready, c_ptr, table, K, tiles_n, CONSUME
         acc = warpgroup_mma_init(gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout))
         for ki in range(k_iters):
             idx = ki % STAGES
-            if B_TRANS:
-                b = b_bufs.index(idx).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
-            else:
-                b = b_bufs.index(idx).reshape([BLOCK_K, BLOCK_N])
             a = a_bufs.index(idx).slice(CONSUMER * HALF, HALF, dim=0)
-            acc = warpgroup_mma(a, b, acc, is_async=True)
+            acc = warpgroup_mma(a, _b_operand(b_bufs.index(idx), B_TRANS), acc, is_async=True)
             warpgroup_mma_wait(1, deps=(acc,))
         acc = warpgroup_mma_wait(0, deps=(acc,))
         never = (rows[:, None] + t) < -K  # false, but not provably so: keeps the wgmmas

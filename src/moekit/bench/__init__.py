@@ -91,6 +91,12 @@ def paired_ratios(fns: dict, base: str, *, rounds: int, warmup_ms: float = 5, re
     return cells
 
 
+def cuda_kernels(prof) -> list:
+    """The CUDA kernel events of a finished ``torch.profiler.profile``, in launch order."""
+    return sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)
+
+
 def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
     src = torch.randn(nbytes // 4, device="cuda")
