@@ -1,28 +1,45 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, config sweep, benchmark (the compiler report runs anywhere: benchmarks/compiler_report.py). Writes logs and tables to $OUT.
-#   bash benchmarks/run_gpu.sh [tests] [sweep] [bench] [experts] [profile]   (default: the first three)
-#   experts: the expert-MLP table alone; profile: per-kernel times of one gpt-oss-20b and -120b step
-#   moe: the MoE-block table alone (with SonicMoE when .sonic/sonic.tar.xz was carried along)
+# The GPU workflow in one command: the GPU test suite, then the benchmarks, with logs and tables in $OUT.
+#   bash benchmarks/run_gpu.sh [tests] [bench] [moe] [experts] [grouped_mm] [sweep] [profile]
+#     (default: tests bench)
+#   tests:   python -m pytest -m gpu
+#   bench:   python -m moekit bench (all three tables and their plots)
+#   moe / experts / grouped_mm: one table alone; sweep: the grouped-GEMM config sweep;
+#   profile: per-kernel times of one gpt-oss-20b and -120b expert step.
+# Optional archives, when present in the working tree:
+#   .triton/triton.tar.xz  a Triton release to run on instead of the machine's own (a slim wheel tree)
+#   .sonic/sonic.tar.xz    sonic-moe 0.1.2.post1 with its CuTe-DSL stack: the MoE table then times
+#                          SonicMoE too (each shape in a child process with a timeout)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-if [ -f .sonic/sonic.tar.xz ]; then  # SonicMoE for the block benchmark (../shared/tools/sonicmoe_bundle.sh)
-  mkdir -p /tmp/site && tar -C /tmp/site -xJf .sonic/sonic.tar.xz
-  export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/site/nvidia_cutlass_dsl/python_packages MOEKIT_BENCH_SONICMOE=1
+if [ -f .triton/triton.tar.xz ]; then
+  mkdir -p /tmp/tri && tar -C /tmp/tri -xJf .triton/triton.tar.xz
+  export PYTHONPATH=/tmp/tri:$PYTHONPATH TRITON_BACKENDS_IN_TREE=1 \
+    TRITON_PTXAS_PATH=/usr/local/cuda/bin/ptxas TRITON_PTXAS_BLACKWELL_PATH=/usr/local/cuda/bin/ptxas \
+    TRITON_CUOBJDUMP_PATH=/usr/local/cuda/bin/cuobjdump TRITON_NVDISASM_PATH=/usr/local/cuda/bin/nvdisasm
 fi
-steps=${*:-tests sweep bench}
+sonic=()
+if [ -f .sonic/sonic.tar.xz ]; then
+  mkdir -p /tmp/site && tar -C /tmp/site -xJf .sonic/sonic.tar.xz
+  export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/site/nvidia_cutlass_dsl/python_packages
+  sonic=(--sonicmoe)
+fi
+steps=${*:-tests bench}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
 python3 -m moekit info
+run_bench() { python3 -m moekit bench --out "$OUT" "$@" 2>&1 | grep --line-buffered -v "it/s\]"; }
 for step in $steps; do
   echo "=== $step ==="
   case $step in
-    tests) python3 -m pytest -m gpu -q -x tests 2>&1 | tee "$OUT/pytest.log" | tail -30 ;;
+    tests) python3 -m pytest -m gpu -q -x tests 2>&1 | tee "$OUT/pytest.log" | tail -15 ;;
+    bench) run_bench "${sonic[@]}" | tee "$OUT/bench.log" ;;
+    moe) run_bench --only moe "${sonic[@]}" | tee "$OUT/moe.log" ;;
+    experts|grouped_mm) run_bench --only "$step" | tee "$OUT/$step.log" ;;
     sweep) python3 benchmarks/sweep_grouped_mm.py ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.md" ;;
-    bench) python3 -m moekit bench --out "$OUT" 2>&1 | grep --line-buffered -v "it/s\]" | tee "$OUT/bench.log" ;;
-    moe) python3 -m moekit bench --only moe --out "$OUT" 2>&1 | grep --line-buffered -v "it/s\]" | tee "$OUT/moe.log" ;;
-    experts) python3 -m moekit bench --only experts --out "$OUT" 2>&1 | grep --line-buffered -v "it/s\]" | tee "$OUT/experts.log" ;;
-    profile) for s in gpt-oss-20b gpt-oss-120b; do python3 benchmarks/profile_experts.py --shape $s; done 2>&1 | tee "$OUT/profile.log" ;;
+    profile) for s in gpt-oss-20b gpt-oss-120b; do python3 benchmarks/profile_experts.py --shape $s; done 2>&1 \
+      | tee "$OUT/profile.log" ;;
   esac
 done

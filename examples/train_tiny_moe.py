@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import moekit
-from moekit import config
 
 
 def corpus(max_bytes: int) -> torch.Tensor:
@@ -69,7 +68,7 @@ class TinyMoELM(nn.Module):
 
 
 def train(args, data, device, *, reference: bool) -> list[float]:
-    config.set_reference(reference)
+    previous = moekit.set_options(reference=reference)
     torch.manual_seed(0)
     kw = dict(device=device, dtype=torch.bfloat16)
     model = TinyMoELM(args.layers, args.dim, args.heads, args.hidden, args.experts, args.top_k, **kw)
@@ -85,7 +84,7 @@ def train(args, data, device, *, reference: bool) -> list[float]:
         loss.backward()
         opt.step()
         losses.append(loss.item())  # a host read per step is fine in a training script
-    config.set_reference(False)
+    moekit.set_options(**vars(previous))
     return losses
 
 

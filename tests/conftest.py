@@ -64,27 +64,24 @@ def interpreter():
 @pytest.fixture(autouse=True)
 def _poison_and_seed():
     """Every kernel output starts as NaN, and every test draws fresh random inputs from its own seed."""
-    config.set_poison(True)
-    torch.manual_seed(0x5EED)
-    yield
-    config.set_poison(False)
-    config.set_debug(False)
+    with moekit.options(poison=True):
+        torch.manual_seed(0x5EED)
+        yield
 
 
 @pytest.fixture(params=[True, False], ids=["tma", "ptr"])
-def tma_path(request, monkeypatch):
+def tma_path(request):
     """Run a kernel test through the TMA-descriptor path and through the plain-pointer path."""
-    monkeypatch.setenv("MOEKIT_NO_TMA", "0" if request.param else "1")
-    return request.param
+    with moekit.options(tma=request.param):
+        yield request.param
 
 
 @pytest.fixture(params=["ws", "tma", "ptr"])
-def expert_path(request, monkeypatch):
+def expert_path(request):
     """The fused expert kernels three ways: the warp-specialized Hopper kernel where it applies (an
     sm_90 GPU; elsewhere "ws" runs the Triton TMA path again), Triton with TMA, Triton with pointers."""
-    monkeypatch.setenv("MOEKIT_NO_WS", "0" if request.param == "ws" else "1")
-    monkeypatch.setenv("MOEKIT_NO_TMA", "1" if request.param == "ptr" else "0")
-    return request.param
+    with moekit.options(warp_specialized=request.param == "ws", tma=request.param != "ptr"):
+        yield request.param
 
 
 __all__ = ["moekit"]

@@ -7,6 +7,7 @@ within 2x that of the reference computed from the same bf16 inputs (``assert_wit
 import pytest
 import torch
 
+import moekit
 from moekit import (
     GptOssExperts,
     grouped_mm_downproj,
@@ -15,7 +16,7 @@ from moekit import (
     grouped_mm_swiglu_ref,
     swiglu,
 )
-from moekit.bench.baselines import TorchtitanGptOssExperts
+from moekit.bench.baselines import TorchtitanExperts
 from moekit.epilogue import SwiGLU, swiglu_bwd_torch, swiglu_torch
 from moekit.experts import grouped_colsum
 from moekit.testing import assert_run_within_reference, assert_within_baseline, offs_from_counts, reference_run
@@ -135,19 +136,19 @@ def test_forward_and_backward(interpreter, tma_path, counts, m, d, f, variant):
             assert not leaves[1].grad[g].any() and not leaves[2].grad[g].any() and not leaves[3].grad[g].any()
 
 
-@pytest.mark.parametrize("recompute", ["0", "1"], ids=["save-h", "recompute-h"])
-def test_down_weight_gradient_from_saved_or_recomputed_h(interpreter, monkeypatch, recompute):
+@pytest.mark.parametrize("save_h", [True, False], ids=["save-h", "recompute-h"])
+def test_down_weight_gradient_from_saved_or_recomputed_h(interpreter, save_h):
     """dW_down and db_down from h saved in the forward (the default; db_down from a column-sum pass
-    here) and from h recomputed out of aux in the backward (``MOEKIT_RECOMPUTE_H=1``; db_down from
-    the ones column the recompute appends): both within the reference's error."""
-    monkeypatch.setenv("MOEKIT_RECOMPUTE_H", recompute)
-    leaves = _check_chain(VARIANTS["gpt-oss"], [10, 0, 22], 40, 32, 24)[0]
+    here) and from h recomputed out of aux in the backward (``save_h=False``; db_down from the ones
+    column the recompute appends): both within the reference's error."""
+    with moekit.options(save_h=save_h):
+        leaves = _check_chain(VARIANTS["gpt-oss"], [10, 0, 22], 40, 32, 24)[0]
     assert not leaves[3].grad[1].any() and not leaves[4].grad[1].any()  # the empty expert's
 
 
 @pytest.mark.parametrize("w_down_trained", [True, False], ids=["w-down-trained", "w-down-frozen"])
 def test_h_is_saved_only_for_a_down_weight_gradient(interpreter, w_down_trained):
-    """The forward keeps h alive only when dW_down will need it (config.save_h)."""
+    """The forward keeps h alive only when dW_down will need it (the ``save_h`` option)."""
     x, w1, b1, w2, b2, offs = _expert_inputs([10, 0, 22], 40, 32, 24)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
@@ -176,13 +177,18 @@ def test_variants_without_bias_and_contiguous_weights(interpreter, variant):
         assert_within_baseline(a.grad, b.grad, c.grad, what=name)
 
 
-def test_gradient_through_h_raises(interpreter):
+@pytest.mark.parametrize("reference", [False, True], ids=["kernels", "reference"])
+def test_gradient_through_h_raises(interpreter, reference):
+    """The same error on both paths when a gradient reaches h."""
     x, w1, b1, w2, b2, offs = _expert_inputs([8, 8], 16, 16, 16)
     x = _leaf(x)
-    h, aux = grouped_mm_swiglu(x, w1, offs, bias=b1)
-    out = grouped_mm_downproj(h, w2, offs, bias=b2, aux_biased_acc=aux)
+    with moekit.options(reference=reference):
+        h, aux = grouped_mm_swiglu(x, w1, offs, bias=b1)
+        out = grouped_mm_downproj(h, w2, offs, bias=b2, aux_biased_acc=aux)
     with pytest.raises(RuntimeError, match="aux_biased_acc"):
-        (out.float().sum() + h.float().sum()).backward()
+        (out.float().sum() + h.float().sum()).backward(retain_graph=True)
+    out.float().sum().backward()  # through aux alone: fine on both paths
+    assert x.grad is not None and x.grad.isfinite().all()
 
 
 def test_downproj_without_aux_is_a_plain_gemm(interpreter):
@@ -221,14 +227,14 @@ def test_module_matches_torchtitan_baseline(interpreter):
     """GptOssExperts against the plain-torch torchtitan-style experts on the same weights."""
     torch.manual_seed(1)
     ex = GptOssExperts(32, 24, 4, dtype=BF16)
-    base = TorchtitanGptOssExperts(ex)
+    base = TorchtitanExperts(ex)
     counts = torch.tensor([7, 0, 13, 4])
     x = torch.randn(24, 32).to(BF16) * 3  # large enough to hit the clamps
     out = ex(x, counts)
     ref = base(x, counts)
     ex32 = GptOssExperts(32, 24, 4, dtype=torch.float32)  # torch._grouped_mm has no float64
     ex32.load_state_dict({k: v.float() for k, v in ex.state_dict().items()})
-    oracle = TorchtitanGptOssExperts(ex32)(x.float(), counts)
+    oracle = TorchtitanExperts(ex32)(x.float(), counts)
     assert_within_baseline(out, oracle, ref, what="module")
     assert set(ex.state_dict()) == {"mlp1_weight_EGD", "mlp1_bias_EG", "mlp2_weight_EDF", "mlp2_bias_ED"}
 
@@ -256,12 +262,12 @@ def test_validation(call, match):
 @pytest.mark.parametrize("d", [32, 128], ids=["db-up-in-wgrad", "db-up-colsum"])  # D % 128 decides
 def test_permute_free_dispatch(interpreter, tma_path, layout, d):
     """Gathering token rows inside the GEMMs equals running them on an explicit x[token_idx] copy."""
-    from moekit.routing import route_metadata
+    from moekit.routing import routing_metadata_fwd
 
     t, k, e, f = 20, 2, 4, 24
     ids = torch.rand(t, e).topk(k, -1).indices.to(torch.int32)
     ids[:, 0] = torch.where(ids[:, 0] == 1, 0, ids[:, 0])  # expert 1 gets fewer rows
-    counts, offs, token_idx, row_of = route_metadata(ids, e)
+    counts, offs, token_idx, row_of = routing_metadata_fwd(ids, e)
     x = torch.randn(t, d).to(BF16).requires_grad_()
     w1 = (torch.randn(e, 2 * f, d) / d**0.5).to(BF16).mT.detach().requires_grad_()
     b1 = torch.randn(e, 2 * f).to(BF16).requires_grad_()

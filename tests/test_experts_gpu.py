@@ -4,6 +4,7 @@ opcheck, torch.compile, CUDA graphs and no host sync."""
 import pytest
 import torch
 
+import moekit
 from moekit import (
     GptOssExperts,
     config,
@@ -14,14 +15,15 @@ from moekit import (
     grouped_mm_swiglu,
     grouped_mm_swiglu_ref,
 )
-from moekit.bench.baselines import TorchtitanGptOssExperts
+from moekit._kernels.hopper_modes import Epilogue
+from moekit.bench.baselines import TorchtitanExperts
 from moekit.epilogue import SwiGLU
 from moekit.experts import (
     _colsum_op,
-    _downproj_bwd_op,
-    _downproj_op,
     _gathered_wgrad_op,
-    _swiglu_act_op,
+    _grouped_mm_downproj_bwd_op,
+    _grouped_mm_downproj_op,
+    _grouped_mm_swiglu_op,
     _swiglu_op,
     _wgrad_colsum_op,
 )
@@ -63,12 +65,16 @@ def _chain(fns, x, w1, b1, w2, b2, offs, layout):
 # F % 128 != 0 hands db_down to the dW_down GEMM; D % 128 == 64 hands db_up to the dW_up GEMM (ws path)
 @pytest.mark.parametrize("d, f", [(960, 1000), (1024, 1024), (960, 960)],
                          ids=["bias-grads-in-wgrad", "bias-grads-colsum", "f-mod-128-is-64"])
-@pytest.mark.parametrize("recompute", ["0", "1"], ids=["save-h", "recompute-h"])
-def test_forward_backward_against_float64(monkeypatch, expert_path, layout, x_scale, d, f, recompute):
-    """h saved for dW_down (the default) or recomputed from aux (``MOEKIT_RECOMPUTE_H=1``). db_down
-    comes from the dW_down GEMM (a ones column on the recomputed h where F % 128 != 0, a virtual ones
-    row on a saved h where F % 128 == 64) or from a column-sum pass."""
-    monkeypatch.setenv("MOEKIT_RECOMPUTE_H", recompute)
+@pytest.mark.parametrize("save_h", [True, False], ids=["save-h", "recompute-h"])
+def test_forward_backward_against_float64(expert_path, layout, x_scale, d, f, save_h):
+    """h saved for dW_down (the default) or recomputed from aux (``save_h=False``). db_down comes
+    from the dW_down GEMM (a ones column on the recomputed h where F % 128 != 0, a virtual ones row on
+    a saved h where F % 128 == 64) or from a column-sum pass."""
+    with moekit.options(save_h=save_h):
+        _forward_backward_against_float64(layout, x_scale, d, f)
+
+
+def _forward_backward_against_float64(layout, x_scale, d, f):
     counts = routed_counts(2048, 8, 4, skew=3.0).tolist()
     counts[1] = 0
     rows = sum(counts) + 40  # rows past offs[-1]
@@ -98,7 +104,8 @@ def test_warp_specialized_dswiglu_dgrad(monkeypatch, w_layout, f, ones_col):
     bit. Empty experts, a group of one row, rows past offs[-1] (aux NaN there), clamp-heavy aux."""
     if not config.use_warp_specialized(torch.device(DEV)):
         pytest.skip("needs an sm_90 GPU with Gluon")
-    monkeypatch.setenv("MOEKIT_FUSED_DSWIGLU", "1")  # opt-in (config.fused_dswiglu)
+    fused = moekit.options(fused_dswiglu=True)  # opt-in
+    fused.__enter__()
     counts = [700, 0, 1, 1300, 255, 0, 2048, 33]
     offs = offs_from_counts(counts, device=DEV)
     m, d, e = sum(counts) + 40, 960, len(counts)
@@ -109,11 +116,13 @@ def test_warp_specialized_dswiglu_dgrad(monkeypatch, w_layout, f, ones_col):
     w = w.to(BF16) if w_layout == "EFD" else w.mT.contiguous().to(BF16).mT
     spec = SwiGLU()
     epilogues = []
-    launch = grouped_gemm.ws_gemm
+    launch = experts.ws_gemm
     monkeypatch.setattr(experts, "ws_gemm", lambda *a, **k: epilogues.append(k.get("epilogue")) or launch(*a, **k))
-    d_aux, h = experts.grouped_mm_dswiglu(grad, w, offs, aux, spec, ones_col=ones_col)
-    assert epilogues == [grouped_gemm.WS_DSWIGLU], epilogues
-    monkeypatch.delenv("MOEKIT_FUSED_DSWIGLU")
+    try:
+        d_aux, h = experts.grouped_mm_dswiglu(grad, w, offs, aux, spec, ones_col=ones_col)
+    finally:
+        fused.__exit__(None, None, None)
+    assert epilogues == [Epilogue.DSWIGLU], epilogues
     dh = grouped_gemm.grouped_mm_fwd(grad, w.mT, offs)
     want_aux, want_h = experts.swiglu_bwd(aux, dh, spec, with_h=True, ones_col=ones_col)
     assert d_aux.shape == want_aux.shape and h.shape == want_h.shape and h.stride() == want_h.stride()
@@ -141,7 +150,7 @@ def _module_case():
 
 def test_module_matches_torchtitan_baseline_and_saves_less():
     ex, x, counts, dy = _module_case()
-    base = TorchtitanGptOssExperts(ex)
+    base = TorchtitanExperts(ex)
     torch.cuda.synchronize()
     m0 = torch.cuda.memory_allocated()
     out = ex(x, counts)
@@ -151,7 +160,7 @@ def test_module_matches_torchtitan_baseline_and_saves_less():
     saved_base = torch.cuda.memory_allocated() - m1 - ref.numel() * ref.element_size()
     ex32 = GptOssExperts(512, 320, 8, device=DEV, dtype=torch.float32)
     ex32.load_state_dict({k: v.float() for k, v in ex.state_dict().items()})
-    oracle = TorchtitanGptOssExperts(ex32)(x.detach().float(), counts)
+    oracle = TorchtitanExperts(ex32)(x.detach().float(), counts)
     assert_within_baseline(out, oracle, ref, what="module")
     assert saved_moekit <= 0.5 * saved_base, (saved_moekit, saved_base)
 
@@ -212,26 +221,26 @@ def test_opcheck():
     x, w1, b1, w2, b2, offs = _inputs([300, 0, 700], 1024, 256, 192)
     x = torch.nan_to_num(x)
     spec = (1.702, 7.0, 1.0, "interleaved")
-    # No gradients into _swiglu_op here: opcheck backpropagates random gradients into every output,
+    # No gradients into _grouped_mm_swiglu_op here: opcheck backpropagates random gradients into every output,
     # h included, which the fused contract rejects by design (test_gradient_through_h_raises). Its
     # autograd is checked against float64 above.
-    torch.library.opcheck(_swiglu_op, (x, w1, offs, b1, None, None, *spec))
-    h, aux = _swiglu_op(x, w1, offs, b1, None, None, *spec)
-    torch.library.opcheck(_downproj_op, (h.detach(), _leaf(w2), offs, _leaf(b2), _leaf(aux), *spec))
+    torch.library.opcheck(_grouped_mm_swiglu_op, (x, w1, offs, b1, None, None, *spec))
+    h, aux = _grouped_mm_swiglu_op(x, w1, offs, b1, None, None, *spec)
+    torch.library.opcheck(_grouped_mm_downproj_op, (h.detach(), _leaf(w2), offs, _leaf(b2), _leaf(aux), *spec))
     dy = torch.randn(1024, 256, device=DEV, dtype=BF16)
     # h recomputed: db_down in the wgrad (F % 128 != 0), or a column-sum pass
-    torch.library.opcheck(_downproj_bwd_op, (dy, w2, offs, aux, None, True, True, *spec))
-    torch.library.opcheck(_downproj_bwd_op, (dy, w2, offs, aux, None, False, True, *spec))
+    torch.library.opcheck(_grouped_mm_downproj_bwd_op, (dy, w2, offs, aux, None, True, True, *spec))
+    torch.library.opcheck(_grouped_mm_downproj_bwd_op, (dy, w2, offs, aux, None, False, True, *spec))
     # h saved: F = 192 (% 128 == 64) gives db_down in the wgrad (ws)
-    torch.library.opcheck(_downproj_bwd_op, (dy, w2, offs, aux, h.detach(), True, True, *spec))
+    torch.library.opcheck(_grouped_mm_downproj_bwd_op, (dy, w2, offs, aux, h.detach(), True, True, *spec))
     torch.library.opcheck(_colsum_op, (dy, offs))
     torch.library.opcheck(_wgrad_colsum_op, (x, dy, offs))  # D = 256: sums from a pass
     torch.library.opcheck(_wgrad_colsum_op, (x[:, :192], dy, offs))  # D % 128 == 64: from the GEMM (ws)
-    from moekit.routing import route_metadata
+    from moekit.routing import routing_metadata_fwd
 
     ids = torch.rand(500, 3, device=DEV).topk(2, -1).indices.to(torch.int32)
-    _, offs3, token_idx, _ = route_metadata(ids, 3)
+    _, offs3, token_idx, _ = routing_metadata_fwd(ids, 3)
     tokens = torch.randn(500, 200, device=DEV, dtype=BF16)  # D = 200: the ones column fits the last tile
     d_aux = torch.randn(1000, 96, device=DEV, dtype=BF16)
     torch.library.opcheck(_gathered_wgrad_op, (tokens, token_idx, d_aux, offs3))
-    torch.library.opcheck(_swiglu_act_op, (_leaf(aux), *spec))
+    torch.library.opcheck(_swiglu_op, (_leaf(aux), *spec))

@@ -226,8 +226,7 @@ def test_validate_checks_offs_values(bad):
     offs = torch.tensor(bad, dtype=torch.int32)
     with pytest.raises(ValueError, match="non-decreasing"):
         grouped_mm(a, b, offs, validate=True)
-    moekit.set_debug(True)
-    with pytest.raises(ValueError, match="non-decreasing"):
+    with moekit.options(debug=True), pytest.raises(ValueError, match="non-decreasing"):
         grouped_mm(a, b, offs)
 
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from moekit import config, grouped_gemm, grouped_mm, grouped_mm_ref
-from moekit.grouped_gemm import _grouped_mm_op, _ragged_k, grouped_mm_fwd, ws_gemm, ws_ok
+from moekit.grouped_gemm import _grouped_mm_op, _ragged_k, grouped_mm_fwd
+from moekit.hopper import ws_gemm, ws_ok
 from moekit.testing import assert_close, offs_from_counts, random_counts, routed_counts
 
 pytestmark = pytest.mark.gpu
@@ -131,8 +132,8 @@ def test_warp_specialized_wgrad(monkeypatch, counts, kt, m, n, sums):
     if not config.use_warp_specialized(torch.device(DEV)):
         pytest.skip("needs an sm_90 GPU with Gluon")
     calls = []
-    launch = grouped_gemm._ws_ragged_k
-    monkeypatch.setattr(grouped_gemm, "_ws_ragged_k", lambda *args: calls.append(1) or launch(*args))
+    launch = grouped_gemm.ws_ragged_k
+    monkeypatch.setattr(grouped_gemm, "ws_ragged_k", lambda *args: calls.append(1) or launch(*args))
     offs = offs_from_counts(counts, device=DEV)
     x = torch.randn(kt, (m + 63) // 64 * 64, device=DEV).to(BF16)[:, :m]  # row stride padded like h's
     dy = torch.randn(kt, n, device=DEV).to(BF16)

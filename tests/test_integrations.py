@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from moekit import GptOssExperts
-from moekit.bench.baselines import TorchtitanGptOssExperts
+from moekit.bench.baselines import TorchtitanExperts
 from moekit.integrations import HFGptOssExperts, patch_hf_gpt_oss, patch_torchtitan
 from moekit.testing import assert_within_baseline
 
@@ -57,7 +57,7 @@ class GptOssGroupedExperts(nn.Module):
         self.swiglu = src.swiglu
 
     def forward(self, x, counts):
-        return TorchtitanGptOssExperts(self)(x, counts)
+        return TorchtitanExperts(self)(x, counts)
 
 
 def test_torchtitan_drop_in():
@@ -70,7 +70,7 @@ def test_torchtitan_drop_in():
     assert patch_torchtitan(model) == 1 and isinstance(model["experts"], GptOssExperts)
     assert model["experts"].mlp1_weight_EGD is weight
     got = model["experts"](x, counts)
-    assert_within_baseline(got, TorchtitanGptOssExperts(_fp32(model["experts"]))(x.float(), counts), want)
+    assert_within_baseline(got, TorchtitanExperts(_fp32(model["experts"]))(x.float(), counts), want)
 
 
 def _fp32(experts):

@@ -6,9 +6,9 @@ Routing and permutations must match exactly; numerics against float64 within PyT
 import pytest
 import torch
 
-from moekit import MoE, combine, combine_ref, gather_rows, route_metadata_ref, topk_router
+from moekit import MoE, combine, combine_ref, gather_rows, routing_metadata_ref, topk_router
 from moekit.bench.baselines import TorchtitanMoE
-from moekit.routing import route_metadata
+from moekit.routing import routing_metadata_fwd
 from moekit.testing import assert_within_baseline
 
 BF16 = torch.bfloat16
@@ -33,8 +33,8 @@ def _ids(t, e, k, *, hot=None):
 )
 def test_route_metadata_matches_stable_argsort(interpreter, t, e, k, hot):
     ids = _ids(t, e, k, hot=hot)
-    got = route_metadata(ids, e)
-    want = route_metadata_ref(ids, e)
+    got = routing_metadata_fwd(ids, e)
+    want = routing_metadata_ref(ids, e)
     for name, a, b in zip(("counts", "offs", "token_idx", "row_of"), got, want, strict=True):
         assert torch.equal(a, b), name
 
@@ -70,7 +70,7 @@ def test_expert_bias_changes_choice_not_weights(interpreter):
 def test_combine_and_gather_against_float64(interpreter):
     t, e, k, d = 33, 8, 3, 40
     ids = _ids(t, e, k)
-    _, _, token_idx, row_of = route_metadata(ids, e)
+    _, _, token_idx, row_of = routing_metadata_fwd(ids, e)
     y = torch.randn(t * k, d).to(BF16).requires_grad_()
     w = torch.rand(t, k).requires_grad_()
     out = combine(y, w, row_of)
@@ -100,15 +100,22 @@ def test_combine_and_gather_against_float64(interpreter):
     assert_within_baseline(x.grad, want, torch.zeros(t, d).index_add_(0, token_idx.long(), g.float()).to(BF16))
 
 
-def test_moe_matches_torchtitan_block(interpreter):
+BLOCKS = {  # the gpt-oss block, and the bias-free plain-SwiGLU block of Qwen3 / Mixtral / DeepSeek / OLMoE
+    "gpt-oss": {},
+    "plain": dict(bias=False, router_bias=False, activation="swiglu"),
+}
+
+
+@pytest.mark.parametrize("block", list(BLOCKS))
+def test_moe_matches_torchtitan_block(interpreter, block):
     torch.manual_seed(7)
-    moe = MoE(32, 24, 8, 2, dtype=BF16)
+    moe = MoE(32, 24, 8, 2, dtype=BF16, **BLOCKS[block])
     base = TorchtitanMoE(moe)
     x = (torch.randn(2, 20, 32) * 2).to(BF16).requires_grad_()
     out = moe(x)
     ref = base(x)
     assert out.shape == x.shape
-    moe32 = MoE(32, 24, 8, 2, dtype=torch.float32)
+    moe32 = MoE(32, 24, 8, 2, dtype=torch.float32, **BLOCKS[block])
     moe32.load_state_dict({k: v.float() for k, v in moe.state_dict().items()})
     oracle = TorchtitanMoE(moe32)(x.detach().float())
     assert_within_baseline(out, oracle, ref, what="moe")
@@ -132,3 +139,18 @@ def test_moe_balancing_state(interpreter):
     assert moe.tokens_per_expert.sum() == 20 and moe.aux_loss is not None
     moe.update_expert_bias(0.1)
     assert moe.tokens_per_expert.sum() == 0 and moe.expert_bias.abs().sum() > 0
+
+
+def test_bias_free_block_has_no_bias_parameters():
+    moe = MoE(16, 8, 4, 2, **BLOCKS["plain"])
+    assert set(dict(moe.named_parameters())) == {"router.weight", "experts.mlp1_weight_EGD", "experts.mlp2_weight_EDF"}
+    assert moe.experts.swiglu["swiglu_limit"] is None and moe.experts.swiglu["swiglu_alpha"] == 1.0
+
+
+def test_weight_gradients_arrive_in_the_parameter_layout(interpreter):
+    """Without biases the expert weight gradients come out in the (E, N, K) parameters' own layout,
+    so .backward() accumulates them without a strided copy."""
+    moe = MoE(32, 24, 8, 2, dtype=BF16, **BLOCKS["plain"])
+    w1, w2 = moe.experts.mlp1_weight_EGD, moe.experts.mlp2_weight_EDF
+    g1, g2 = torch.autograd.grad(moe(torch.randn(20, 32).to(BF16)).float().sum(), [w1, w2])
+    assert g1.is_contiguous() and g2.is_contiguous() and not g1.isnan().any() and not g2.isnan().any()

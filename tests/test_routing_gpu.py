@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from moekit import MoE, route_metadata_ref
+from moekit import MoE, routing_metadata_ref
 from moekit.bench.baselines import TorchtitanMoE
-from moekit.routing import route_metadata
+from moekit.routing import routing_metadata_fwd
 from moekit.testing import assert_within_baseline
 
 pytestmark = pytest.mark.gpu
@@ -16,24 +16,31 @@ BF16 = torch.bfloat16
 @pytest.mark.parametrize("t, e, k", [(24576, 32, 4), (24576, 128, 8), (1, 8, 8)])
 def test_route_metadata_exact(t, e, k):
     ids = torch.rand(t, e, device=DEV).topk(k, -1).indices.to(torch.int32)
-    for a, b in zip(route_metadata(ids, e), route_metadata_ref(ids, e), strict=True):
+    for a, b in zip(routing_metadata_fwd(ids, e), routing_metadata_ref(ids, e), strict=True):
         assert torch.equal(a, b)
 
 
 D, F = 576, 320  # neither a multiple of 128: both bias gradients ride on the weight-gradient GEMMs
 
 
-def _case():
+BLOCKS = {  # the gpt-oss block, and the bias-free plain-SwiGLU block of Qwen3 / Mixtral / DeepSeek / OLMoE
+    "gpt-oss": {},
+    "plain": dict(bias=False, router_bias=False, activation="swiglu"),
+}
+
+
+def _case(block):
     torch.manual_seed(5)
-    moe = MoE(D, F, 16, 4, device=DEV, dtype=BF16)
+    moe = MoE(D, F, 16, 4, device=DEV, dtype=BF16, **BLOCKS[block])
     x = torch.randn(2048, D, device=DEV, dtype=BF16, requires_grad=True)
     return moe, x, torch.randn_like(x)
 
 
-def test_moe_against_torchtitan_block():
-    moe, x, dy = _case()
+@pytest.mark.parametrize("block", list(BLOCKS))
+def test_moe_against_torchtitan_block(block):
+    moe, x, dy = _case(block)
     base = TorchtitanMoE(moe)
-    moe32 = MoE(D, F, 16, 4, device=DEV, dtype=torch.float32)
+    moe32 = MoE(D, F, 16, 4, device=DEV, dtype=torch.float32, **BLOCKS[block])
     moe32.load_state_dict({k: v.float() for k, v in moe.state_dict().items()})
     x32 = x.detach().float().requires_grad_()
     outs = [m(xx) for m, xx in ((moe, x), (base, x), (TorchtitanMoE(moe32), x32))]
@@ -45,8 +52,9 @@ def test_moe_against_torchtitan_block():
         assert_within_baseline(got, want, base_grad, what=f"d{name}")
 
 
-def test_moe_no_sync_graph_compile():
-    moe, x, dy = _case()
+@pytest.mark.parametrize("block", list(BLOCKS))
+def test_moe_no_sync_graph_compile(block):
+    moe, x, dy = _case(block)
     params = [x, *moe.parameters()]
     eager = torch.autograd.grad(moe(x), params, dy)  # compiles the kernels
     torch.cuda.synchronize()
@@ -77,3 +85,32 @@ def test_moe_no_sync_graph_compile():
     compiled = torch.compile(moe, fullgraph=True)
     out_c = compiled(x)
     torch.testing.assert_close(out_c, moe(x), rtol=2**-7, atol=2**-7)
+
+
+def test_weight_gradients_arrive_in_the_parameter_layout():
+    """Without biases the expert weight gradients come out in the (E, N, K) parameters' own layout,
+    so .backward() accumulates them without a strided copy."""
+    moe, x, dy = _case("plain")
+    w1, w2 = moe.experts.mlp1_weight_EGD, moe.experts.mlp2_weight_EDF
+    g1, g2 = torch.autograd.grad(moe(x), [w1, w2], dy)
+    assert g1.is_contiguous() and g2.is_contiguous()
+
+
+def test_router_logits_on_tensor_cores_match_fp32():
+    from moekit.routing import router_logits
+
+    torch.manual_seed(3)
+    x = torch.randn(4096, 2048, device=DEV).to(BF16).requires_grad_()
+    w = (torch.randn(64, 2048, device=DEV) * 0.02).requires_grad_()
+    b = torch.randn(64, device=DEV).requires_grad_()
+    got = router_logits(x, w, b)
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    want = x64 @ w64.T + b64
+    assert got.dtype == torch.float32
+    assert (got.double() - want).abs().max() / want.abs().max() < 1e-5  # hi + lo: ~16 mantissa bits
+    g = torch.randn_like(got)
+    got.backward(g)
+    want.backward(g.double())
+    for t, t64 in ((x, x64), (w, w64), (b, b64)):
+        rel = (t.grad.double() - t64.grad).norm() / t64.grad.norm()
+        assert rel < 1e-2, float(rel)  # the logits' gradient is rounded to bf16

@@ -10,33 +10,38 @@ Expert-sorted rows are split into groups by ``offs`` (E,) int32: cumulative row 
 device and are never read by the host.
 """
 
-from .config import TileConfig, set_debug
+from .config import Options, TileConfig, get_options, options, set_options
 from .epilogue import SwiGLU
 from .experts import grouped_mm_downproj, grouped_mm_swiglu, swiglu
 from .grouped_gemm import grouped_mm
-from .layers import GptOssExperts, MoE
+from .layers import GptOssExperts, GroupedExperts, MoE
 from .reference import grouped_mm_downproj_ref, grouped_mm_ref, grouped_mm_swiglu_ref, swiglu_ref
-from .routing import Routing, combine, combine_ref, gather_rows, route_metadata_ref, topk_router
+from .routing import Routing, combine, combine_ref, gather_rows, routing_metadata, routing_metadata_ref, topk_router
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GptOssExperts",
+    "GroupedExperts",
     "MoE",
+    "Options",
     "Routing",
     "SwiGLU",
     "TileConfig",
     "combine",
     "combine_ref",
     "gather_rows",
+    "get_options",
     "grouped_mm",
     "grouped_mm_downproj",
     "grouped_mm_downproj_ref",
     "grouped_mm_ref",
     "grouped_mm_swiglu",
     "grouped_mm_swiglu_ref",
-    "route_metadata_ref",
-    "set_debug",
+    "options",
+    "routing_metadata",
+    "routing_metadata_ref",
+    "set_options",
     "swiglu",
     "swiglu_ref",
     "topk_router",

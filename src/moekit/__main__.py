@@ -1,10 +1,10 @@
 """``python -m moekit bench | info``.
 
-bench: on a GPU, (1) the gpt-oss-20b MoE block against the torchtitan-style block, (2) the fused
-expert MLP (GptOssExperts) against the torchtitan-style experts at the gpt-oss shapes, (3) the
-grouped GEMM against torch._grouped_mm and a dense matmul for all the BENCH.md shapes. On a CPU, the
-same tables for a small configuration through the pure-PyTorch reference. Prints the tables and
-writes them, with a PNG plot, to ``--out`` (default bench/out).
+bench: on a GPU, (1) the MoE block on seven real models' shapes against the torchtitan-style block,
+a dense matmul of the same FLOPs and, with ``--sonicmoe``, SonicMoE; (2) the fused gpt-oss expert MLP
+against the torchtitan-style experts; (3) the grouped GEMM against torch._grouped_mm and a dense
+matmul. On a CPU, the same tables for a small configuration through the pure-PyTorch reference,
+without speed ratios. Prints the tables and writes them, with plots, to ``--out`` (default bench/out).
 """
 
 from __future__ import annotations
@@ -28,58 +28,57 @@ def _progress(desc: str):
         return None
 
 
-EXPERT_SHAPES = ("gpt-oss-20b", "gpt-oss-120b")  # the shapes of the fused expert-MLP criteria
+EXPERT_SHAPES = ("gpt-oss-20b", "gpt-oss-120b")  # the expert-MLP table's shapes
 
 
 def _bench(args) -> None:
-    from .bench import CPU_SHAPES, SHAPES
+    from .bench import BLOCK_SHAPES, CPU_SHAPES, SHAPES
     from .bench import experts as bench_experts
     from .bench import grouped_mm as bench_grouped_mm
     from .bench import moe as bench_moe
-    from .config import uses_triton
 
     on_gpu = torch.cuda.is_available()
-    known = SHAPES if on_gpu else {**SHAPES, **CPU_SHAPES}
-    names = args.shape or (list(SHAPES) if on_gpu else list(CPU_SHAPES))
-    unknown = [n for n in names if n not in known]
+    known = {**SHAPES, **BLOCK_SHAPES} if on_gpu else {**SHAPES, **BLOCK_SHAPES, **CPU_SHAPES}
+    unknown = [n for n in args.shape or [] if n not in known]
     if unknown:
         raise SystemExit(f"unknown shape(s) {unknown}; choose from {sorted(known)}")
-    shapes = [known[n] for n in names]
-    if args.tokens:
-        shapes = [dataclasses.replace(s, tokens=args.tokens) for s in shapes]
-    device = torch.device("cuda" if on_gpu else "cpu")
-    path = "pure-PyTorch reference"
-    if uses_triton(device):
-        path = "Triton and Gluon kernels" if config.use_warp_specialized(device) else "Triton kernels"
+
+    def pick(table: dict, default) -> list:
+        """The shapes of one table: --shape's (taken from this table where it has them), else the default."""
+        if not on_gpu and not args.shape:
+            return list(CPU_SHAPES.values())
+        names = args.shape or default
+        shapes = [table.get(n, known[n]) for n in names]
+        return [dataclasses.replace(s, tokens=args.tokens) for s in shapes] if args.tokens else shapes
+
+    print(f"moekit bench: {_path()}", file=sys.stderr)
     os.makedirs(args.out, exist_ok=True)
     written = []
-    block_shapes = [s for s in shapes if s.name == "gpt-oss-20b" or not on_gpu] if not args.shape else shapes
     if args.only in (None, "moe"):
-        print(f"moekit bench: MoE block through the {path}", file=sys.stderr)
         md = os.path.join(args.out, "moe.md")
-        print(bench_moe.main(block_shapes, out_md=md, progress=_progress("moe")), "\n")
+        text = bench_moe.main(pick(BLOCK_SHAPES, list(BLOCK_SHAPES)), out_md=md, progress=_progress("moe"),
+                              sonicmoe=args.sonicmoe, sonic_timeout_s=args.sonic_timeout)
+        print(text, "\n")
         written.append(md)
     if args.only in (None, "experts"):
-        print(f"moekit bench: expert MLP through the {path}", file=sys.stderr)
-        expert_shapes = [s for s in shapes if s.name in EXPERT_SHAPES or not on_gpu] if not args.shape else shapes
         md = os.path.join(args.out, "experts.md")
-        print(bench_experts.main(expert_shapes, out_md=md, progress=_progress("experts")), "\n")
+        print(bench_experts.main(pick(SHAPES, EXPERT_SHAPES), out_md=md, progress=_progress("experts")), "\n")
         written.append(md)
-    moe_md, experts_md = os.path.join(args.out, "moe.md"), os.path.join(args.out, "experts.md")
     if on_gpu and args.only is None:
         from .bench.plots import plot
 
         png = os.path.join(args.out, "moe.png")
         try:
-            plot({"MoE block": moe_md, "expert MLP": experts_md}, png)
+            plot({"MoE block": written[0], "expert MLP": written[1]}, png)
             written.append(png)
         except ImportError:
             pass
     if args.only in (None, "grouped_mm"):
-        print(f"moekit bench: grouped_mm through the {path}", file=sys.stderr)
         md = os.path.join(args.out, "grouped_mm.md")
         png = os.path.join(args.out, "grouped_mm.png")
-        print(bench_grouped_mm.main(shapes, out_md=md, out_png=png, progress=_progress("grouped_mm")))
+        text = bench_grouped_mm.main(pick(SHAPES, list(SHAPES)), out_md=md, out_png=png,
+                                     progress=_progress("grouped_mm"))
+        print(text)
         written += [md] + ([png] if os.path.exists(png) else [])
     print(f"\nwrote {', '.join(written)}", file=sys.stderr)
 
@@ -87,24 +86,41 @@ def _bench(args) -> None:
 def _info(_args) -> None:
     import triton
 
-    from . import __version__, config
+    from . import __version__
 
     print(f"moekit {__version__} | torch {torch.__version__} | triton {triton.__version__}")
+    print(f"options: {config.get_options()}")
+    print(f"path: {_path()}")
     if torch.cuda.is_available():
         dev = torch.device("cuda")
-        print(f"GPU: {torch.cuda.get_device_name()} | SMs {config.num_sms(dev)} | TMA {config.use_tma(dev)}")
-    else:
-        print("no GPU: ops run the pure-PyTorch reference (TRITON_INTERPRET=1 runs the kernels on CPU)")
+        print(f"GPU: {torch.cuda.get_device_name()} | SMs {config.num_sms(dev)} | TMA {config.use_tma(dev)} | "
+              f"warp-specialized Gluon kernels {config.use_warp_specialized(dev)}")
+
+
+def _path() -> str:
+    """Which implementation ops on this machine's default device run, in words."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not config.uses_triton(device):
+        why = "the reference option is on" if config.get_options().reference else "no GPU, TRITON_INTERPRET unset"
+        return f"the pure-PyTorch reference ({why})"
+    if device.type == "cpu":
+        return "the Triton kernels on Triton's CPU interpreter (TRITON_INTERPRET=1): correct, and slow"
+    if config.use_warp_specialized(device):
+        return "the Triton kernels, and the warp-specialized Gluon kernels for the bf16 GEMMs they cover"
+    return "the Triton kernels"
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="moekit", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     bench = sub.add_parser("bench", help="time moekit against its baselines and print a table")
-    bench.add_argument("--shape", action="append", help="a BENCH.md shape name (repeatable); default: all")
+    bench.add_argument("--shape", action="append", help="a shape name (repeatable); default: each table's own")
     bench.add_argument("--tokens", type=int, help="tokens per rank T (default: the shape's, 24576)")
     bench.add_argument("--out", default=os.path.join("bench", "out"), help="folder for the tables and plot")
     bench.add_argument("--only", choices=["moe", "experts", "grouped_mm"], help="run one of the tables")
+    bench.add_argument("--sonicmoe", action="store_true",
+                       help="also time SonicMoE's block (in a child process per shape; needs the sonic-moe package)")
+    bench.add_argument("--sonic-timeout", type=float, default=300.0, help="seconds per SonicMoE shape (default 300)")
     bench.set_defaults(fn=_bench)
     info = sub.add_parser("info", help="versions and the device path moekit will take")
     info.set_defaults(fn=_info)

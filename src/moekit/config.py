@@ -1,11 +1,14 @@
 """Tile configurations, the one heuristic that picks them, and target detection.
 
-Every kernel launch in moekit takes its tile shape from ``grouped_mm_config``; tests pin a config to
-cover a code path on purpose. Figures behind the choices live in bench/results/.
+The Triton kernels take their tile shape from ``grouped_mm_config`` (tests pin a config to cover a
+code path on purpose); the warp-specialized Gluon kernels have one fixed tile (``hopper.py``). Also
+here: the runtime options (:class:`Options`) and target detection. Figures behind the choices are in
+docs/design.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -36,54 +39,130 @@ class TileConfig:
     programs_per_sm: int = 1
 
 
-_debug = os.environ.get("MOEKIT_DEBUG", "0") not in ("", "0")
+@dataclass(frozen=True)
+class Options:
+    """moekit's runtime options. Each field's default comes from the environment variable named beside
+    it, read once, when moekit is imported (``1``/``0``); :func:`set_options` and :func:`options`
+    change them afterwards. Ops read the options when they run, and under ``torch.compile`` when they
+    are traced, so set them before compiling.
+
+    - ``reference`` (``MOEKIT_REFERENCE``, off): every op runs its pure-PyTorch ``*_ref`` twin, on any
+      device.
+    - ``debug`` (``MOEKIT_DEBUG``, off): ``grouped_mm`` checks that ``offs`` is non-decreasing and in
+      bounds on every call, as ``validate=True`` does (a device sync per call).
+    - ``tma`` (``MOEKIT_TMA``, on): TMA descriptors on Hopper and newer; off forces the pointer path.
+    - ``warp_specialized`` (``MOEKIT_WARP_SPECIALIZED``, on): the warp-specialized Gluon kernels on
+      sm_90; off runs the Triton kernels there too.
+    - ``save_h`` (``MOEKIT_SAVE_H``, on): the fused down-projection saves h for its weight gradient;
+      off recomputes h from aux in the backward (less saved memory, a slower backward).
+    - ``fused_dswiglu`` (``MOEKIT_FUSED_DSWIGLU``, off): the down-projection's dgrad computes the
+      SwiGLU backward in its epilogue on sm_90 (bit-equal to the default, and slower on an H100:
+      docs/design.md).
+    - ``poison`` (no variable; a test aid): every kernel output starts as NaN (-1 for integers), so an
+      unwritten element shows.
+    """
+
+    reference: bool = False
+    debug: bool = False
+    tma: bool = True
+    warp_specialized: bool = True
+    save_h: bool = True
+    fused_dswiglu: bool = False
+    poison: bool = False
 
 
-def set_debug(enabled: bool) -> None:
-    """Turn on checks that need a device sync (offs monotonic and in bounds) for every op call."""
-    global _debug
-    _debug = bool(enabled)
+_ENV = {f.name: f"MOEKIT_{f.name.upper()}" for f in dataclasses.fields(Options) if f.name != "poison"}
 
 
-def debug_enabled() -> bool:
-    """Whether ``set_debug(True)`` or ``MOEKIT_DEBUG=1`` asked for sync-costing input checks."""
-    return _debug
+def _from_env() -> Options:
+    values = {}
+    for name, var in _ENV.items():
+        raw = os.environ.get(var)
+        if raw is None:
+            continue
+        if raw not in ("0", "1"):
+            raise ValueError(f"moekit: {var} must be 0 or 1, got {raw!r}")
+        values[name] = raw == "1"
+    return Options(**values)
 
 
-_poison = False
+_options = _from_env()
 
 
-def set_poison(enabled: bool) -> None:
-    """Test aid: fill every kernel output with NaN before the launch, so an unwritten element shows."""
-    global _poison
-    _poison = bool(enabled)
+def get_options() -> Options:
+    """The options in force (see :class:`Options`)."""
+    return _options
+
+
+def set_options(**changes: bool) -> Options:
+    """Change options by name (``set_options(save_h=False)``); returns the previous :class:`Options`."""
+    global _options
+    unknown = set(changes) - {f.name for f in dataclasses.fields(Options)}
+    if unknown:
+        raise TypeError(f"moekit.set_options: unknown option(s) {sorted(unknown)}; see moekit.Options")
+    previous = _options
+    _options = dataclasses.replace(_options, **{k: bool(v) for k, v in changes.items()})
+    return previous
+
+
+@contextlib.contextmanager
+def options(**changes: bool):
+    """Context manager: ``with moekit.options(warp_specialized=False): ...`` sets options for the block
+    and restores the previous ones on exit."""
+    global _options
+    previous = set_options(**changes)
+    try:
+        yield _options
+    finally:
+        _options = previous
 
 
 def empty(shape, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Allocate a kernel output (poisoned when ``set_poison(True)``: NaN, or -1 for integer outputs)."""
+    """Allocate a kernel output (poisoned under the ``poison`` option: NaN, or -1 for integer outputs)."""
     out = torch.empty(shape, dtype=dtype, device=device)
-    if not _poison:
+    if not _options.poison:
         return out
     return out.fill_(float("nan") if dtype.is_floating_point else -1)
 
 
 def is_interpreting() -> bool:
-    """True when Triton runs kernels on the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    """True when Triton runs kernels on the CPU interpreter (``TRITON_INTERPRET=1``, Triton's own
+    variable, which must be set before Triton compiles anything)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-_reference = os.environ.get("MOEKIT_REFERENCE", "0") not in ("", "0")
-
-
-def set_reference(enabled: bool) -> None:
-    """Route every op through its pure-PyTorch ``*_ref`` twin, on any device (``MOEKIT_REFERENCE=1``)."""
-    global _reference
-    _reference = bool(enabled)
-
-
 def uses_triton(device: torch.device) -> bool:
-    """Whether ops on ``device`` go through the Triton kernels (else the pure-PyTorch reference)."""
-    return not _reference and (device.type == "cuda" or is_interpreting())
+    """Whether ops on ``device`` go through the Triton kernels (else the pure-PyTorch reference).
+    Raises when the installed Triton is one moekit's kernels were not tested with."""
+    use = not _options.reference and (device.type == "cuda" or is_interpreting())
+    if use:
+        check_triton()
+    return use
+
+
+TRITON_TESTED = ((3, 6), (3, 7))  # the Triton minor releases the test suites pass on (pyproject.toml)
+
+
+@functools.cache
+def check_triton() -> None:
+    """Raise one clear error if the kernels cannot run with the installed Triton (and numpy, for the
+    interpreter); called on the first op that would launch a kernel."""
+    import numpy
+    import triton
+
+    version = tuple(int(p) for p in triton.__version__.split(".")[:2])
+    if version not in TRITON_TESTED:
+        raise RuntimeError(
+            f"moekit: Triton {triton.__version__} is installed, but moekit's kernels are tested on Triton "
+            f"3.6 and 3.7 only: pip install 'triton>=3.6,<3.8' (or set MOEKIT_REFERENCE=1 for the "
+            f"pure-PyTorch path)"
+        )
+    numpy_version = tuple(int(p) for p in numpy.__version__.split(".")[:2])
+    if is_interpreting() and version == (3, 6) and numpy_version >= (2, 4):
+        raise RuntimeError(
+            f"moekit: Triton 3.6's interpreter (TRITON_INTERPRET=1) fails with numpy {numpy.__version__}: "
+            f"pip install 'numpy<2.4', or Triton 3.7"
+        )
 
 
 @functools.cache
@@ -92,8 +171,8 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def use_tma(device: torch.device) -> bool:
-    """TMA descriptors on Hopper and newer; ``MOEKIT_NO_TMA=1`` forces the pointer path."""
-    if os.environ.get("MOEKIT_NO_TMA", "0") not in ("", "0"):
+    """TMA descriptors on Hopper and newer, unless the ``tma`` option is off."""
+    if not _options.tma:
         return False
     if device.type != "cuda":
         return is_interpreting()  # the interpreter emulates descriptors; tests cover both paths
@@ -102,27 +181,26 @@ def use_tma(device: torch.device) -> bool:
 
 def use_warp_specialized(device: torch.device) -> bool:
     """The warp-specialized Gluon kernels (``_kernels/hopper_gemm.py``) on Hopper (sm_90), where they
-    are the default for the fused expert GEMMs; ``MOEKIT_NO_WS=1`` falls back to the Triton kernels."""
-    if os.environ.get("MOEKIT_NO_WS", "0") not in ("", "0") or device.type != "cuda" or not use_tma(device):
+    are the default for the bf16 GEMMs they cover; off with the ``warp_specialized`` option."""
+    if not _options.warp_specialized or device.type != "cuda" or not use_tma(device):
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capability(index) == (9, 0) and _has_gluon()
 
 
 def fused_dswiglu() -> bool:
-    """Whether the down-projection's dgrad computes d_aux in its epilogue (the warp-specialized Hopper
-    kernel, ``MOEKIT_FUSED_DSWIGLU=1``) instead of a plain dgrad followed by the SwiGLU backward pass.
-    Off by default: on an H100 the fused GEMM takes 4.15 ms against 3.54 ms for the two at gpt-oss-20b,
-    because its epilogue cannot overlap the tensor cores (bench/NOTES.md, expert MLP entry 20)."""
-    return os.environ.get("MOEKIT_FUSED_DSWIGLU", "0") not in ("", "0")
+    """Whether the down-projection's dgrad computes d_aux in its epilogue (the ``fused_dswiglu``
+    option) instead of a plain dgrad followed by the SwiGLU backward pass. Off by default: on an H100
+    the fused GEMM takes 4.15 ms against 3.54 ms for the two at gpt-oss-20b, because its epilogue
+    cannot overlap the tensor cores (docs/design.md)."""
+    return _options.fused_dswiglu
 
 
 def save_h() -> bool:
-    """Whether the fused down-projection saves h for its weight gradient (the default) instead of
-    recomputing it from aux in the backward (``MOEKIT_RECOMPUTE_H=1``). Saving h keeps 0.5 GiB more
-    per gpt-oss layer alive (saved activations 0.43x torchtitan's instead of 0.29x) and spares the
-    SwiGLU backward pass h's recompute and store (bench/NOTES.md, expert MLP entry 22)."""
-    return os.environ.get("MOEKIT_RECOMPUTE_H", "0") in ("", "0")
+    """Whether the fused down-projection saves h for its weight gradient (the ``save_h`` option, on by
+    default) instead of recomputing it from aux in the backward. Saving h keeps 0.5 GiB more per
+    gpt-oss-20b layer alive and spares the SwiGLU backward pass h's recompute and store."""
+    return _options.save_h
 
 
 @functools.cache

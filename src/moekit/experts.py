@@ -29,29 +29,14 @@ import triton.language as tl
 from . import config
 from ._kernels.epilogue import _swiglu_bwd_kernel, _swiglu_kernel
 from ._kernels.experts import _grouped_colsum_kernel, _grouped_mm_swiglu_kernel
+from ._kernels.hopper_modes import Epilogue
+from .descriptors import TensorDescriptor, row_bounded, tma_ok, weight_descriptor
 from .epilogue import SwiGLU
-from .grouped_gemm import (
-    WS_DSWIGLU,
-    WS_SWIGLU,
-    _check_layout,
-    _grouped_mm_op,
-    _matrix_ready,
-    _ragged_k,
-    _ragged_m,
-    _row_bounded,
-    _tma_ok,
-    grouped_mm_fwd,
-    ws_dswiglu_ok,
-    ws_gemm,
-    ws_ok,
-)
-from .reference import grouped_mm_downproj_ref, grouped_mm_swiglu_ref, swiglu_ref
+from .grouped_gemm import _grouped_mm_op, _op_mm, _ragged_k, _ragged_m, grouped_mm_fwd, k_major, weight_grad
+from .hopper import ws_dswiglu_ok, ws_gemm, ws_ok
+from .reference import H_GRADIENT_ERROR, grouped_mm_downproj_ref, grouped_mm_swiglu_ref, swiglu_ref
 from .routing import _gather_bwd_op, gather_rows_with_ones
-
-try:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover
-    TensorDescriptor = None
+from .validation import check_layout, matrix_ready
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -68,22 +53,14 @@ def _pair_views(t: torch.Tensor, spec: SwiGLU):
     return t, t
 
 
-def _weight_descriptor(w: torch.Tensor, block_n: int, block_k: int):
-    """TMA descriptor for an (E, K, N) weight with unit stride along N, or along K (then over (E, N, K))."""
-    if w.stride(2) == 1:
-        return TensorDescriptor(w, list(w.shape), [w.stride(0), w.stride(1), 1], [1, block_k, block_n])
-    e, k, n = w.shape
-    return TensorDescriptor(w, [e, n, k], [w.stride(0), w.stride(2), 1], [1, block_n, block_k])
-
-
 def _tma_views_ok(x, w, tensors) -> bool:
     return (
         TensorDescriptor is not None
         and config.use_tma(x.device)
         and x.stride(1) == 1
-        and _tma_ok(x, 1)
-        and _tma_ok(w, 2 if w.stride(2) == 1 else 1)
-        and all(_tma_ok(t, 1) for t in tensors)
+        and tma_ok(x, 1)
+        and tma_ok(w, 2 if w.stride(2) == 1 else 1)
+        and all(tma_ok(t, 1) for t in tensors)
     )
 
 
@@ -100,7 +77,7 @@ def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig
     if m == 0 or f == 0:
         return h, aux
     if cfg is None and token_idx is None and not spec.halves and ws_ok(x, w, aux, h):
-        ws_gemm(x, w, offs, aux, epilogue=WS_SWIGLU, bias=bias, out2=h, spec=spec)
+        ws_gemm(x, w, offs, aux, epilogue=Epilogue.SWIGLU, bias=bias, out2=h, spec=spec)
         return h, aux
     sms = config.num_sms(x.device)
     cfg = cfg or config.grouped_mm_config(
@@ -115,10 +92,10 @@ def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig
         aux_block = [bm, bf // 2] if spec.halves else [bm, bn // 2]
         args = (
             TensorDescriptor(x, [m, d], [x.stride(0), 1], [bm, bk]) if token_idx is None else x,
-            _weight_descriptor(w, bf if spec.halves else bn, bk),
-            _row_bounded(aux_a, aux_block),
-            _row_bounded(aux_b, aux_block),
-            _row_bounded(h, [bm, bf // 2]),
+            weight_descriptor(w, bk, bf if spec.halves else bn),
+            row_bounded(aux_a, aux_block),
+            row_bounded(aux_b, aux_block),
+            row_bounded(h, [bm, bf // 2]),
         )
     else:
         args = (x, w, aux_a, aux_b, h)
@@ -157,7 +134,7 @@ def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = Fal
     if config.fused_dswiglu() and not spec.halves and m and f and ws_dswiglu_ok(grad, w_t, aux, h_cols):
         d_aux = config.empty((m, two_f), dtype=aux.dtype, device=aux.device)
         h = config.empty((m, h_cols), dtype=aux.dtype, device=aux.device)
-        ws_gemm(grad, w_t, offs, d_aux, epilogue=WS_DSWIGLU, out2=h, aux=aux, spec=spec)
+        ws_gemm(grad, w_t, offs, d_aux, epilogue=Epilogue.DSWIGLU, out2=h, aux=aux, spec=spec)
         return d_aux, h[:, : f + 1] if ones_col else h
     dh = grouped_mm_fwd(grad, w_t, offs)
     return swiglu_bwd(aux, dh, spec, with_h=True, ones_col=ones_col)
@@ -178,7 +155,7 @@ def downproj_bwd(grad, w, offs, aux, spec: SwiGLU, *, need_w: bool, need_b: bool
         if need_w and need_b:
             dw, db = _ragged_k(h.mT, grad, offs, grad.dtype, None, colsum=True)
         elif need_w:
-            dw = grouped_mm_fwd(h.mT, grad, offs)
+            dw = weight_grad(h, grad, offs, w, grouped_mm_fwd)
         if need_b and db is None:
             db = grouped_colsum(grad, offs)
         return d_aux, dw, db
@@ -187,7 +164,10 @@ def downproj_bwd(grad, w, offs, aux, spec: SwiGLU, *, need_w: bool, need_b: bool
     if ones:
         dw, db = _ragged_k(h.mT, grad, offs, grad.dtype, None, ones_row=True)
     else:
-        dw = grouped_mm_fwd(h.mT, grad, offs) if need_w else None
+        if need_w:  # (the layout rule of the fake below: w's layout where no bias gradient rides along)
+            dw = grouped_mm_fwd(h.mT, grad, offs) if need_b else weight_grad(h, grad, offs, w, grouped_mm_fwd)
+        else:
+            dw = None
         db = grouped_colsum(grad, offs) if need_b else None
     return d_aux, dw, db
 
@@ -247,40 +227,40 @@ def swiglu_bwd(pre: torch.Tensor, dh: torch.Tensor, spec: SwiGLU, *, with_h: boo
 
 
 @torch.library.custom_op("moekit::swiglu", mutates_args=())
-def _swiglu_act_op(
+def _swiglu_op(
     pre: torch.Tensor, alpha: float, limit: float | None, linear_offset: float, layout: str
 ) -> torch.Tensor:
     return swiglu_fwd(pre, _spec(alpha, limit, linear_offset, layout))
 
 
-@_swiglu_act_op.register_fake
+@_swiglu_op.register_fake
 def _(pre, alpha, limit, linear_offset, layout):
     return pre.new_empty((pre.shape[0], pre.shape[1] // 2))
 
 
 @torch.library.custom_op("moekit::swiglu_bwd", mutates_args=())
-def _swiglu_act_bwd_op(
+def _swiglu_bwd_op(
     pre: torch.Tensor, dh: torch.Tensor, alpha: float, limit: float | None, linear_offset: float, layout: str
 ) -> torch.Tensor:
     return swiglu_bwd(pre, dh, _spec(alpha, limit, linear_offset, layout))
 
 
-@_swiglu_act_bwd_op.register_fake
+@_swiglu_bwd_op.register_fake
 def _(pre, dh, alpha, limit, linear_offset, layout):
     return torch.empty_like(pre)
 
 
-def _swiglu_act_setup(ctx, inputs, output):
+def _swiglu_setup(ctx, inputs, output):
     ctx.save_for_backward(inputs[0])
     ctx.spec = inputs[1:]
 
 
-def _swiglu_act_backward(ctx, grad):
+def _swiglu_backward(ctx, grad):
     (pre,) = ctx.saved_tensors
-    return _swiglu_act_bwd_op(pre, _matrix_ready(grad.to(pre.dtype)), *ctx.spec), None, None, None, None
+    return _swiglu_bwd_op(pre, matrix_ready(grad.to(pre.dtype)), *ctx.spec), None, None, None, None
 
 
-_swiglu_act_op.register_autograd(_swiglu_act_backward, setup_context=_swiglu_act_setup)
+_swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
 
 
 
@@ -289,7 +269,7 @@ def _spec(alpha, limit, linear_offset, layout) -> SwiGLU:
 
 
 @torch.library.custom_op("moekit::grouped_mm_swiglu", mutates_args=())
-def _swiglu_op(
+def _grouped_mm_swiglu_op(
     x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, bias: torch.Tensor | None,
     token_idx: torch.Tensor | None, row_of: torch.Tensor | None,
     alpha: float, limit: float | None, linear_offset: float, layout: str,
@@ -298,7 +278,7 @@ def _swiglu_op(
     return grouped_mm_swiglu_fwd(x, w, offs, bias, spec, token_idx=token_idx)
 
 
-@_swiglu_op.register_fake
+@_grouped_mm_swiglu_op.register_fake
 def _(x, w, offs, bias, token_idx, row_of, alpha, limit, linear_offset, layout):
     two_f = w.shape[2]
     rows = x.shape[0] if token_idx is None else token_idx.shape[0]
@@ -306,7 +286,7 @@ def _(x, w, offs, bias, token_idx, row_of, alpha, limit, linear_offset, layout):
 
 
 @torch.library.custom_op("moekit::grouped_mm_downproj_bwd", mutates_args=())
-def _downproj_bwd_op(
+def _grouped_mm_downproj_bwd_op(
     grad: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, aux: torch.Tensor, h: torch.Tensor | None,
     need_w: bool, need_b: bool, alpha: float, limit: float | None, linear_offset: float, layout: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -318,12 +298,18 @@ def _downproj_bwd_op(
     return d_aux, dw, db
 
 
-@_downproj_bwd_op.register_fake
+@_grouped_mm_downproj_bwd_op.register_fake
 def _(grad, w, offs, aux, h, need_w, need_b, alpha, limit, linear_offset, layout):
     e, f, d = w.shape
+    if not need_w:
+        dw = grad.new_empty(0)
+    elif k_major(w) and not need_b:  # weight_grad's layout
+        dw = grad.new_empty((e, d, f)).mT
+    else:
+        dw = grad.new_empty((e, f, d))
     return (
         torch.empty_like(aux),
-        grad.new_empty((e, f, d) if need_w else (0,)),
+        dw,
         grad.new_empty((e, d) if need_b else (0,), dtype=torch.float32),
     )
 
@@ -370,14 +356,14 @@ def _(x, grad, offs):
 
 
 @torch.library.custom_op("moekit::grouped_mm_downproj", mutates_args=())
-def _downproj_op(
+def _grouped_mm_downproj_op(
     h: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, bias: torch.Tensor | None, aux: torch.Tensor | None,
     alpha: float, limit: float | None, linear_offset: float, layout: str,
 ) -> torch.Tensor:
     return _ragged_m(h, w, offs, h.dtype, None, bias=bias)
 
 
-@_downproj_op.register_fake
+@_grouped_mm_downproj_op.register_fake
 def _(h, w, offs, bias, aux, alpha, limit, linear_offset, layout):
     return h.new_empty((h.shape[0], w.shape[2]))
 
@@ -386,27 +372,19 @@ def _bias_grad(grad, offs, bias):
     return None if bias is None else _colsum_op(grad, offs).to(bias.dtype)
 
 
-_CONTRACT = (
-    "moekit: a gradient reached h, the SwiGLU output of grouped_mm_swiglu. Its fused backward "
-    "carries the gradient through aux instead: consume h only through "
-    "grouped_mm_downproj(h, w_down, offs=offs, aux_biased_acc=aux, ...) with the same SwiGLU settings, "
-    "or use moekit.grouped_mm plus a separate activation if h feeds anything else."
-)
-
-
-def _swiglu_setup(ctx, inputs, output):
+def _grouped_mm_swiglu_setup(ctx, inputs, output):
     x, w, offs, bias, token_idx, row_of, *_ = inputs
     ctx.save_for_backward(x, w, offs, bias, token_idx, row_of)
     ctx.set_materialize_grads(False)  # an unused h must arrive as None, not as zeros
 
 
-def _swiglu_backward(ctx, grad_h, grad_aux):
+def _grouped_mm_swiglu_backward(ctx, grad_h, grad_aux):
     if grad_h is not None:
-        raise RuntimeError(_CONTRACT)
+        raise RuntimeError(H_GRADIENT_ERROR)
     x, w, offs, bias, token_idx, row_of = ctx.saved_tensors
     if grad_aux is None:
         return (None,) * 10
-    d_aux = _matrix_ready(grad_aux)
+    d_aux = matrix_ready(grad_aux)
     need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
     grad_x = _grouped_mm_op(d_aux, w.mT, offs, None) if need_x else None
     grad_b = None
@@ -415,7 +393,7 @@ def _swiglu_backward(ctx, grad_h, grad_aux):
             grad_w, grad_b = _wgrad_colsum_op(x, d_aux, offs)
             grad_b = grad_b.to(bias.dtype)
         else:
-            grad_w = _grouped_mm_op(x.mT, d_aux, offs, None) if need_w else None
+            grad_w = weight_grad(x, d_aux, offs, w, _op_mm) if need_w else None
     else:  # permute-free: sum each token's K rows (no atomics)
         grad_x = _gather_bwd_op(grad_x, row_of) if need_x else None
         # dW_up re-gathers x's token rows into a transient copy: a gathered (pointer-loaded) A^T in the
@@ -425,7 +403,7 @@ def _swiglu_backward(ctx, grad_h, grad_aux):
             grad_w, grad_b = _gathered_wgrad_op(x, token_idx, d_aux, offs)
             grad_b = grad_b.to(bias.dtype)
         elif need_w:
-            grad_w = _grouped_mm_op(x.index_select(0, token_idx).mT, d_aux, offs, None)
+            grad_w = weight_grad(x.index_select(0, token_idx), d_aux, offs, w, _op_mm)
         else:
             grad_w = None
     if need_b and grad_b is None:
@@ -433,10 +411,10 @@ def _swiglu_backward(ctx, grad_h, grad_aux):
     return grad_x, grad_w, None, grad_b, None, None, None, None, None, None
 
 
-_swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
+_grouped_mm_swiglu_op.register_autograd(_grouped_mm_swiglu_backward, setup_context=_grouped_mm_swiglu_setup)
 
 
-def _downproj_setup(ctx, inputs, output):
+def _grouped_mm_downproj_setup(ctx, inputs, output):
     h, w, offs, bias, aux, alpha, limit, linear_offset, layout = inputs
     ctx.spec = (alpha, limit, linear_offset, layout)
     ctx.fused = aux is not None
@@ -446,24 +424,24 @@ def _downproj_setup(ctx, inputs, output):
     ctx.save_for_backward(aux if ctx.fused else h, h if keep_h else None, w, offs, bias)
 
 
-def _downproj_backward(ctx, grad):
+def _grouped_mm_downproj_backward(ctx, grad):
     saved, h, w, offs, bias = ctx.saved_tensors
-    grad = _matrix_ready(grad.to(w.dtype))
+    grad = matrix_ready(grad.to(w.dtype))
     need_h, need_w, _, need_b, need_aux = ctx.needs_input_grad[:5]
     grad_h = grad_aux = None
     if ctx.fused:
-        grad_aux, grad_w, grad_b = _downproj_bwd_op(grad, w, offs, saved, h, need_w, need_b, *ctx.spec)
+        grad_aux, grad_w, grad_b = _grouped_mm_downproj_bwd_op(grad, w, offs, saved, h, need_w, need_b, *ctx.spec)
         grad_aux = grad_aux if need_aux else None
         grad_w = grad_w if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
     else:
         grad_h = _grouped_mm_op(grad, w.mT, offs, None) if need_h else None
-        grad_w = _grouped_mm_op(saved.mT, grad, offs, None) if need_w else None
+        grad_w = weight_grad(saved, grad, offs, w, _op_mm) if need_w else None
         grad_b = _bias_grad(grad, offs, bias) if need_b else None
     return grad_h, grad_w, None, grad_b, grad_aux, None, None, None, None
 
 
-_downproj_op.register_autograd(_downproj_backward, setup_context=_downproj_setup)
+_grouped_mm_downproj_op.register_autograd(_grouped_mm_downproj_backward, setup_context=_grouped_mm_downproj_setup)
 
 # --------------------------------------------------------------------------------------------------
 # public ops
@@ -483,8 +461,8 @@ def _check_expert_inputs(name, x, w, offs, bias, n_bias):
         raise ValueError(f"{name}: all tensors must be on one device")
     if bias is not None and (bias.shape != (w.shape[0], n_bias) or bias.stride(-1) != 1):
         raise ValueError(f"{name}: bias must be (E, N) = ({w.shape[0]}, {n_bias}) with unit column stride")
-    _check_layout("x", x)
-    _check_layout("w", w)
+    check_layout("x", x)
+    check_layout("w", w)
 
 
 def grouped_mm_swiglu(
@@ -529,7 +507,7 @@ def grouped_mm_swiglu(
     if not config.uses_triton(x.device):
         rows = x if token_idx is None else x[token_idx.long()]
         return grouped_mm_swiglu_ref(rows, w_up, offs, bias=bias, **_spec_kwargs(spec))
-    return _swiglu_op(x, w_up, offs, bias, token_idx, row_of, *_spec_args(spec))
+    return _grouped_mm_swiglu_op(x, w_up, offs, bias, token_idx, row_of, *_spec_args(spec))
 
 
 def grouped_mm_downproj(
@@ -561,7 +539,7 @@ def grouped_mm_downproj(
         return grouped_mm_downproj_ref(
             h, w_down, offs, bias=bias, aux_biased_acc=aux_biased_acc, **_spec_kwargs(spec)
         )
-    return _downproj_op(h, w_down, offs, bias, aux_biased_acc, *_spec_args(spec))
+    return _grouped_mm_downproj_op(h, w_down, offs, bias, aux_biased_acc, *_spec_args(spec))
 
 
 def swiglu(
@@ -581,7 +559,7 @@ def swiglu(
         raise ValueError(f"swiglu: pre must be (M, 2F) with unit column stride, got {tuple(pre.shape)}")
     if not config.uses_triton(pre.device):
         return swiglu_ref(pre, **_spec_kwargs(spec))
-    return _swiglu_act_op(pre, *_spec_args(spec))
+    return _swiglu_op(pre, *_spec_args(spec))
 
 
 def _spec_args(spec: SwiGLU):

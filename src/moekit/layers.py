@@ -8,13 +8,22 @@ from torch import nn
 from .experts import grouped_mm_downproj, grouped_mm_swiglu
 from .routing import combine, topk_router
 
+ACTIVATIONS = {
+    "gpt-oss": dict(swiglu_alpha=1.702, swiglu_limit=7.0, swiglu_linear_offset=1.0),  # clamped, +1 on the linear half
+    "swiglu": dict(swiglu_alpha=1.0, swiglu_limit=None, swiglu_linear_offset=0.0),  # silu(gate) * up
+}
 
-class GptOssExperts(nn.Module):
-    """gpt-oss expert MLPs, a drop-in for torchtitan's ``GptOssGroupedExperts``.
 
-    Parameters keep torchtitan's storage and names: ``mlp1_weight_EGD`` (E, 2F, D) with interleaved
-    gate/linear rows, ``mlp1_bias_EG`` (E, 2F), ``mlp2_weight_EDF`` (E, D, F), ``mlp2_bias_ED`` (E, D).
-    The kernels read the weights through ``.mT`` views, so nothing is copied.
+class GroupedExperts(nn.Module):
+    """E expert SwiGLU MLPs over expert-sorted rows: ``down(SwiGLU(x @ W_up[g] + b_up[g])) + b_down[g]``.
+
+    Parameters keep torchtitan's gpt-oss storage and names, so that the weights are read through
+    ``.mT`` views with no copy: ``mlp1_weight_EGD`` (E, 2F, D) with the gate/linear rows laid out as
+    ``gate_up_layout`` says ("interleaved": g0, l0, g1, ...; "halves": [gate | linear]),
+    ``mlp2_weight_EDF`` (E, D, F), and with ``bias=True`` ``mlp1_bias_EG`` (E, 2F) and ``mlp2_bias_ED``
+    (E, D); with ``bias=False`` there are no bias parameters and no bias work in the kernels.
+    ``activation`` is "swiglu" (``silu(gate) * up``: Qwen3, Mixtral, DeepSeek, OLMoE) or "gpt-oss"
+    (alpha 1.702, clamp 7, ``+1`` on the linear half); explicit ``swiglu_*`` keywords override it.
 
     ``forward(x_RD, num_tokens_per_expert_E)``: x (R, D) rows sorted by expert, counts (E,) of any
     integer dtype on x's device -> (R, D). Rows past ``sum(counts)`` come out as zeros. Weights in
@@ -29,31 +38,37 @@ class GptOssExperts(nn.Module):
         hidden_dim: int,
         num_experts: int,
         *,
-        swiglu_alpha: float = 1.702,
-        swiglu_limit: float | None = 7.0,
-        swiglu_linear_offset: float = 1.0,
+        bias: bool = False,
+        activation: str = "swiglu",
         gate_up_layout: str = "interleaved",
         device=None,
         dtype=None,
+        **swiglu,
     ):
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"{type(self).__name__}: activation must be one of {sorted(ACTIVATIONS)}, "
+                             f"got {activation!r}")
+        unknown = set(swiglu) - set(ACTIVATIONS["swiglu"])
+        if unknown:
+            raise TypeError(f"{type(self).__name__}: unknown keyword(s) {sorted(unknown)}")
         kw = dict(device=device, dtype=dtype)
         self.num_experts, self.dim, self.hidden_dim = num_experts, dim, hidden_dim
-        self.swiglu = dict(
-            swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, swiglu_linear_offset=swiglu_linear_offset,
-            gate_up_layout=gate_up_layout,
-        )
+        self.swiglu = {**ACTIVATIONS[activation], **swiglu, "gate_up_layout": gate_up_layout}
         self.mlp1_weight_EGD = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim, **kw))
-        self.mlp1_bias_EG = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, **kw))
         self.mlp2_weight_EDF = nn.Parameter(torch.empty(num_experts, dim, hidden_dim, **kw))
-        self.mlp2_bias_ED = nn.Parameter(torch.empty(num_experts, dim, **kw))
+        if bias:
+            self.mlp1_bias_EG = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, **kw))
+            self.mlp2_bias_ED = nn.Parameter(torch.empty(num_experts, dim, **kw))
+        else:
+            self.register_parameter("mlp1_bias_EG", None)
+            self.register_parameter("mlp2_bias_ED", None)
         self.reset_parameters()
 
     def reset_parameters(self, init_std: float = 0.02) -> None:
-        for w in (self.mlp1_weight_EGD, self.mlp2_weight_EDF):
-            nn.init.trunc_normal_(w, mean=0.0, std=init_std)
-        for b in (self.mlp1_bias_EG, self.mlp2_bias_ED):
-            nn.init.trunc_normal_(b, mean=0.0, std=init_std)
+        for p in (self.mlp1_weight_EGD, self.mlp2_weight_EDF, self.mlp1_bias_EG, self.mlp2_bias_ED):
+            if p is not None:
+                nn.init.trunc_normal_(p, mean=0.0, std=init_std)
 
     def forward(
         self,
@@ -69,23 +84,39 @@ class GptOssExperts(nn.Module):
         h, aux = grouped_mm_swiglu(
             x_RD, w1.mT, offs, bias=self.mlp1_bias_EG, token_idx=token_idx_R, row_of=row_of_TK, **self.swiglu
         )
-        return grouped_mm_downproj(
-            h, w2.mT, offs, bias=self.mlp2_bias_ED, aux_biased_acc=aux, **self.swiglu
-        )
+        return grouped_mm_downproj(h, w2.mT, offs, bias=self.mlp2_bias_ED, aux_biased_acc=aux, **self.swiglu)
 
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, dim={self.dim}, hidden_dim={self.hidden_dim}, {self.swiglu}"
+        bias = self.mlp1_bias_EG is not None
+        return f"experts={self.num_experts}, dim={self.dim}, hidden_dim={self.hidden_dim}, bias={bias}, {self.swiglu}"
+
+
+class GptOssExperts(GroupedExperts):
+    """gpt-oss expert MLPs, a drop-in for torchtitan's ``GptOssGroupedExperts``: :class:`GroupedExperts`
+    with biases and the gpt-oss SwiGLU on interleaved gate/linear rows by default."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, *, bias: bool = True,
+                 activation: str = "gpt-oss", **kw):
+        super().__init__(dim, hidden_dim, num_experts, bias=bias, activation=activation, **kw)
 
 
 class MoE(nn.Module):
-    """A gpt-oss MoE block, configured like torchtitan's: router gate ``Linear(D, E, bias=True)`` with
-    fp32 logits, softmax (or sigmoid) scores, top-k with renormalization, :class:`GptOssExperts`, and
-    a weighted combine in fp32. No host sync anywhere.
+    """An MoE block: router, permute-free dispatch, :class:`GroupedExperts`, and a weighted combine in
+    fp32. No host sync anywhere; deterministic forward and backward.
 
-    ``forward(x)``: x (..., D) -> (..., D). With ``aux_loss=True`` the switch-style load-balancing
-    loss of the last forward is in ``self.aux_loss``. Aux-loss-free balancing: ``tokens_per_expert``
-    accumulates routed counts on the device, and ``update_expert_bias(rate)`` nudges ``expert_bias``
-    (used for the choice only) toward balance and resets the counts.
+    - Router: gate ``Linear(D, E, bias=router_bias)`` held in fp32; logits in fp32 (bf16 operands on
+      the tensor cores with fp32 accumulation where the input is bf16 on a GPU), ``score_func``
+      "softmax" or "sigmoid", top-k, and the chosen scores renormalized to sum to 1 when
+      ``renormalize``.
+    - Balancing: ``aux_loss=True`` leaves the switch-style load-balancing loss of the last forward in
+      ``self.aux_loss``. Aux-loss-free: ``tokens_per_expert`` accumulates routed counts on the device,
+      and ``update_expert_bias(rate)`` nudges ``expert_bias`` (used for the choice only) toward balance.
+    - Experts: ``bias`` and ``activation`` as in :class:`GroupedExperts` (plus any ``swiglu_*`` or
+      ``gate_up_layout`` keyword). The defaults are the gpt-oss block (expert and router biases, the
+      gpt-oss SwiGLU); ``bias=False, router_bias=False, activation="swiglu"`` is the Qwen3 / Mixtral /
+      DeepSeek / OLMoE block.
+
+    ``forward(x)``: x (..., D) -> (..., D).
     """
 
     def __init__(
@@ -95,17 +126,21 @@ class MoE(nn.Module):
         num_experts: int,
         top_k: int,
         *,
+        bias: bool = True,
+        activation: str = "gpt-oss",
+        router_bias: bool = True,
         score_func: str = "softmax",
         renormalize: bool = True,
         aux_loss: bool = False,
         device=None,
         dtype=None,
-        **swiglu,
+        **experts_kw,
     ):
         super().__init__()
         self.top_k, self.score_func, self.renormalize, self.use_aux_loss = top_k, score_func, renormalize, aux_loss
-        self.router = nn.Linear(dim, num_experts, bias=True, device=device, dtype=torch.float32)
-        self.experts = GptOssExperts(dim, hidden_dim, num_experts, device=device, dtype=dtype, **swiglu)
+        self.router = nn.Linear(dim, num_experts, bias=router_bias, device=device, dtype=torch.float32)
+        self.experts = GroupedExperts(dim, hidden_dim, num_experts, bias=bias, activation=activation,
+                                      device=device, dtype=dtype, **experts_kw)
         self.register_buffer("expert_bias", torch.zeros(num_experts, device=device), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, device=device), persistent=False)
         self.aux_loss = None
@@ -131,4 +166,4 @@ class MoE(nn.Module):
         self.tokens_per_expert.zero_()
 
 
-__all__ = ["GptOssExperts", "MoE"]
+__all__ = ["ACTIVATIONS", "GptOssExperts", "GroupedExperts", "MoE"]

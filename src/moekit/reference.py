@@ -11,14 +11,43 @@ import torch
 
 from .epilogue import SwiGLU, swiglu_torch
 
+H_GRADIENT_ERROR = (
+    "moekit: a gradient reached h, the SwiGLU output of grouped_mm_swiglu. Its fused backward "
+    "carries the gradient through aux instead: consume h only through "
+    "grouped_mm_downproj(h, w_down, offs=offs, aux_biased_acc=aux, ...) with the same SwiGLU settings, "
+    "or use moekit.grouped_mm plus a separate activation if h feeds anything else."
+)
+
+
+class _NoGradientToH(torch.autograd.Function):
+    """Identity whose backward raises ``H_GRADIENT_ERROR``: the fused op's h carries no gradient, and
+    the reference enforces the same contract."""
+
+    @staticmethod
+    def forward(ctx, h):
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(H_GRADIENT_ERROR)
+
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def _bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
-    ends = [int(v) for v in offs.tolist()]
-    return list(zip([0] + ends[:-1], ends, strict=False))
+def _bounds(offs: torch.Tensor, bound: int) -> list[tuple[int, int]]:
+    """Each group's [start, end), clamped as the kernels clamp them: end = offs[g] within [0, bound],
+    start = offs[g - 1] within [0, end]. Monotonic offs within bounds pass unchanged; others still
+    give in-bounds ranges (their rows' values are unspecified, the shapes are not)."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            "moekit: the pure-PyTorch reference reads offs on the host and cannot be traced by torch.compile; "
+            "compile on a CUDA device (the kernels are custom ops), or run the reference eagerly"
+        )
+    ends = [min(max(int(v), 0), bound) for v in offs.tolist()]
+    starts = [min(max(v, 0), e) for v, e in zip([0] + [int(v) for v in offs.tolist()[:-1]], ends, strict=True)]
+    return list(zip(starts, ends, strict=True))
 
 
 def grouped_mm_ref(
@@ -42,23 +71,24 @@ def grouped_mm_ref(
     if offs is None:
         raise ValueError("grouped_mm_ref: offs is required unless both a and b are 3-D")
     if a.dim() == 2 and b.dim() == 3:
-        pieces = [af[s:e] @ bf[g] for g, (s, e) in enumerate(_bounds(offs))]
-        end = pieces and int(offs[-1]) or 0
-        pieces.append(af.new_zeros(a.shape[0] - end, b.shape[-1]))
-        return torch.cat(pieces, dim=0).to(out_dtype)
+        out = af.new_zeros(a.shape[0], b.shape[-1])
+        for g, (start, end) in enumerate(_bounds(offs, a.shape[0])):
+            out[start:end] = af[start:end] @ bf[g]
+        return out.to(out_dtype)
     if a.dim() == 2 and b.dim() == 2:
         # Slice products (not a masked full product) keep an empty group exactly zero and free of any
         # NaN that rows outside the group might hold.
-        pieces = [af[:, s:e] @ bf[s:e] for s, e in _bounds(offs)]
+        pieces = [af[:, s:e] @ bf[s:e] for s, e in _bounds(offs, a.shape[1])]
         return torch.stack(pieces, dim=0).to(out_dtype)
     raise ValueError(f"grouped_mm_ref: unsupported form {a.dim()}D x {b.dim()}D")
 
 
 def _row_bias(bias: torch.Tensor, offs: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
     """bias (E, N) expanded to one row per routed row (rows, N); rows past offs[-1] get 0."""
-    counts = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())
-    per_row = torch.repeat_interleave(bias.to(dtype), counts.to(bias.device), dim=0)
-    return torch.cat([per_row, per_row.new_zeros(rows - per_row.shape[0], bias.shape[1])])
+    out = bias.new_zeros(rows, bias.shape[1], dtype=dtype)
+    for g, (start, end) in enumerate(_bounds(offs, rows)):
+        out[start:end] = bias[g].to(dtype)
+    return out
 
 
 def grouped_mm_swiglu_ref(
@@ -66,14 +96,15 @@ def grouped_mm_swiglu_ref(
     gate_up_layout="interleaved",
 ):
     """Reference for :func:`moekit.grouped_mm_swiglu`: ``(h, aux)`` with aux = x @ w_up[g] + bias[g]
-    rounded to x.dtype, and h = SwiGLU(aux) computed from that rounded aux (as the kernel does)."""
+    rounded to x.dtype, and h = SwiGLU(aux) computed from that rounded aux (as the kernel does). As on
+    the kernels, h carries no gradient: a gradient that reaches it raises ``H_GRADIENT_ERROR``."""
     spec = SwiGLU(swiglu_alpha, swiglu_limit, swiglu_linear_offset, gate_up_layout)
     cdt = _compute_dtype(x, w_up)
     pre = grouped_mm_ref(x, w_up, offs, out_dtype=cdt)
     if bias is not None:
         pre = pre + _row_bias(bias, offs, x.shape[0], cdt)
     aux = pre.to(x.dtype)
-    return swiglu_torch(aux, spec), aux
+    return _NoGradientToH.apply(swiglu_torch(aux, spec)), aux
 
 
 def grouped_mm_downproj_ref(

@@ -52,7 +52,7 @@ class Routing:
 # --------------------------------------------------------------------------------------------------
 
 
-def route_metadata_ref(experts: torch.Tensor, num_experts: int):
+def routing_metadata_ref(experts: torch.Tensor, num_experts: int):
     """(counts, offs, token_idx, row_of) from (T, K) expert ids, by a stable argsort."""
     flat = experts.reshape(-1).long()
     k = experts.shape[1] if experts.dim() == 2 else 1
@@ -77,8 +77,8 @@ def combine_ref(y: torch.Tensor, weights: torch.Tensor | None, row_of: torch.Ten
 # --------------------------------------------------------------------------------------------------
 
 
-def route_metadata(experts: torch.Tensor, num_experts: int):
-    """Triton twin of ``route_metadata_ref``: two kernels and a few device-side cumsums, no sync."""
+def routing_metadata_fwd(experts: torch.Tensor, num_experts: int):
+    """Triton twin of ``routing_metadata_ref``: two kernels and a few device-side cumsums, no sync."""
     t, k = experts.shape
     r = t * k
     dev = experts.device
@@ -150,12 +150,14 @@ def combine_bwd(dout, y, weights, row_of, need_weights: bool):
 # --------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("moekit::route_metadata", mutates_args=())
-def _route_op(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return route_metadata(experts, num_experts)
+@torch.library.custom_op("moekit::routing_metadata", mutates_args=())
+def _routing_metadata_op(
+    experts: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return routing_metadata_fwd(experts, num_experts)
 
 
-@_route_op.register_fake
+@_routing_metadata_op.register_fake
 def _(experts, num_experts):
     i32 = dict(dtype=torch.int32)
     return (experts.new_empty(num_experts, **i32), experts.new_empty(num_experts, **i32),
@@ -234,10 +236,6 @@ _gather_op.register_autograd(_gather_backward, setup_context=_gather_setup)
 # --------------------------------------------------------------------------------------------------
 
 
-def _kernels(device: torch.device) -> bool:
-    return config.uses_triton(device)
-
-
 def topk_router(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -264,7 +262,7 @@ def topk_router(
         raise ValueError(f"topk_router: top_k must be in [1, {num_experts}], got {top_k}")
     if score_func not in ("softmax", "sigmoid"):
         raise ValueError(f"topk_router: score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
-    logits = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    logits = router_logits(x, weight, bias)
     scores = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
     choice = scores if expert_bias is None else scores + expert_bias.float()
     experts = choice.topk(top_k, dim=-1).indices
@@ -280,10 +278,52 @@ def topk_router(
     return Routing(weights, experts, counts, offs, token_idx, row_of, loss)
 
 
+def _split_bf16(w: torch.Tensor) -> torch.Tensor:
+    """(E, D) fp32 -> (2E, D) bf16 [hi; lo] with hi + lo = w to ~16 mantissa bits."""
+    hi = w.to(torch.bfloat16)
+    return torch.cat([hi, (w - hi.float()).to(torch.bfloat16)])
+
+
+class _RouterLogits(torch.autograd.Function):
+    """fp32 logits of bf16 tokens on the tensor cores: x (T, D) bf16 times the fp32 gate weight split
+    into two bf16 terms (hi + lo, ~16 mantissa bits: routing then agrees with an fp32 GEMM up to
+    near-ties), one GEMM with fp32 accumulation and output, and no fp32 copy of x. The backward runs
+    on the tensor cores too, with the logits' gradient rounded to bf16."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        w2 = _split_bf16(weight.float())
+        both = torch.mm(x, w2.t(), out_dtype=torch.float32)  # (T, 2E)
+        e = weight.shape[0]
+        logits = both[:, :e] + both[:, e:]
+        if bias is not None:
+            logits = logits + bias.float()
+        ctx.save_for_backward(x, w2[:e])
+        ctx.has_bias, ctx.w_dtype = bias is not None, weight.dtype
+        return logits
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w_hi = ctx.saved_tensors
+        g = grad.to(x.dtype)
+        dx = torch.mm(g, w_hi) if ctx.needs_input_grad[0] else None
+        dw = torch.mm(g.t(), x, out_dtype=torch.float32).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
+        db = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 gate logits x (T, D) @ weight (E, D)^T + bias (E,) -> (T, E). bf16 tokens on a GPU take
+    the tensor cores (``_RouterLogits``); anything else an fp32 GEMM on an fp32 copy of x."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.float32:
+        return _RouterLogits.apply(x, weight, bias)
+    return torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+
 def routing_metadata(experts: torch.Tensor, num_experts: int):
     """(counts, offs, token_idx, row_of) for (T, K) expert ids chosen elsewhere (e.g. by a model's own
     router): the expert-sorted order of a stable argsort, from the Triton kernels where they run."""
-    meta = _route_op if _kernels(experts.device) else route_metadata_ref
+    meta = _routing_metadata_op if config.uses_triton(experts.device) else routing_metadata_ref
     return meta(experts.to(torch.int32), num_experts)
 
 
@@ -292,13 +332,13 @@ def combine(y: torch.Tensor, weights: torch.Tensor, row_of: torch.Tensor) -> tor
 
     y (R, D) expert outputs in expert-sorted order; weights (T, K) fp32; row_of (T, K) int32.
     Deterministic forward and backward (gradients to y and weights)."""
-    if not _kernels(y.device):
+    if not config.uses_triton(y.device):
         return combine_ref(y, weights, row_of)
     return _combine_op(y.contiguous(), weights.float().contiguous(), row_of)
 
 
 def gather_rows(x: torch.Tensor, routing: Routing) -> torch.Tensor:
     """x (T, D) -> (R, D) rows in expert-sorted order; the backward sums each token's K rows (no atomics)."""
-    if not _kernels(x.device):
+    if not config.uses_triton(x.device):
         return x[routing.token_idx.long()]
     return _gather_op(x, routing.token_idx, routing.row_of)

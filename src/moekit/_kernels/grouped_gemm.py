@@ -12,7 +12,7 @@ and never read the host. Memory access goes through either TMA tensor descriptor
 masked pointers (any other target and the CPU interpreter), chosen by the ``USE_TMA`` constexpr.
 
 Row-bounded descriptors: a group's rows end at a run-time ``end``; TMA can only bound a box by a
-descriptor's static shape. ``make_row_bounded_descriptor`` (host side) prepends two dimensions whose
+descriptor's static shape. ``descriptors.row_bounded`` (host side) prepends two dimensions whose
 strides wrap around in 64-bit address arithmetic, so that the coordinates
 ``(BIG, end, BIG - end + row)`` address row ``row`` while the hardware bounds check on the third
 coordinate (``< BIG``) becomes ``row < end``. Reads past ``end`` return zeros and writes past it are

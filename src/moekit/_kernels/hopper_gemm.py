@@ -6,7 +6,7 @@
 * ``_grouped_mm_ws_ragged_k_kernel``: ``c[g] = a[:, ks_g:ke_g] @ b[ks_g:ke_g]`` (the weight gradients),
   the contract of ``_grouped_mm_ragged_k_kernel``, including its ones row for a bias gradient.
 * ``_grouped_mm_ws_dswiglu_kernel``: the down-projection's dgrad with the SwiGLU backward in its
-  epilogue (opt-in, ``config.fused_dswiglu``; see DSWIGLU below).
+  epilogue (opt-in, the ``fused_dswiglu`` option; see DSWIGLU below).
 
 All three run Hopper's warp-specialized schedule:
 
@@ -64,13 +64,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .epilogue import swiglu_apply, swiglu_apply_bwd
 from .grouped_gemm import ROW_BOUND_BIG, _group_table, _swizzle
+from .hopper_modes import ColSum, Epilogue
 
-PLAIN = tl.constexpr(0)
-SWIGLU = tl.constexpr(1)
-DSWIGLU = tl.constexpr(2)
-COLSUM_NONE = tl.constexpr(0)  # the column-sum modes of the ragged-K kernel
-COLSUM_ROW = tl.constexpr(1)
-COLSUM_VIRTUAL = tl.constexpr(2)
+PLAIN = tl.constexpr(Epilogue.PLAIN.value)  # the modes, defined once in hopper_modes.py
+SWIGLU = tl.constexpr(Epilogue.SWIGLU.value)
+DSWIGLU = tl.constexpr(Epilogue.DSWIGLU.value)
+COLSUM_NONE = tl.constexpr(ColSum.NONE.value)
+COLSUM_ROW = tl.constexpr(ColSum.ROW.value)
+COLSUM_VIRTUAL = tl.constexpr(ColSum.VIRTUAL.value)
 EPI_ROWS = tl.constexpr(16)  # rows per step of the epilogue
 
 

@@ -1,7 +1,12 @@
 """Benchmarks behind ``python -m moekit bench`` and the scripts in benchmarks/.
 
-Method (../shared/BENCH.md): median of ``triton.testing.do_bench`` after warm-up, random inputs,
-ratios against the baselines measured in the same process, FLOPs counted as 2*M*N*K per GEMM.
+Method: the median of ``triton.testing.do_bench`` after warm-up, on random inputs (never zeros),
+checked against the baseline in the same run; every ratio compares implementations timed in the same
+process, interleaved over rounds in a rotating order, so that clock drift on a shared, power-capped
+GPU weighs on all of them alike. FLOPs count 2*M*N*K per GEMM: 6*R*D*F for an expert MLP's forward
+(R = T*K routed rows) and twice that for its backward. Saved activations are the memory a forward
+leaves allocated, minus its output. Routing: balanced is the top-k of softmax(randn(T, E)); skewed adds
+``3 * linspace(0, 1, E)`` to the logits, so that a few experts are hot and some get few or no rows.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch
 
 @dataclass(frozen=True)
 class MoEShape:
-    """One MoE configuration of BENCH.md: D model dim, F expert hidden dim, E experts, top-k, T tokens."""
+    """One MoE configuration: D model dim, F expert hidden dim, E experts, top-k, T tokens."""
 
     name: str
     d: int
@@ -33,6 +38,21 @@ SHAPES = {
         MoEShape("qwen3-30b-a3b", 2048, 768, 128, 8),
         MoEShape("mixtral-8x7b", 4096, 14336, 8, 2),
         MoEShape("small-M", 2880, 2880, 32, 4, tokens=256),
+    )
+}
+
+# The MoE-block shapes: real models' routed experts, with T chosen so that moekit, the torchtitan-style
+# block and SonicMoE each fit an 80 GB H100.
+BLOCK_SHAPES = {
+    s.name: s
+    for s in (
+        MoEShape("gpt-oss-20b", 2880, 2880, 32, 4),
+        MoEShape("gpt-oss-120b", 2880, 2880, 128, 4),
+        MoEShape("qwen3-30b-a3b", 2048, 768, 128, 8, tokens=16384),
+        MoEShape("qwen3-235b-a22b", 4096, 1536, 128, 8, tokens=16384),
+        MoEShape("olmoe-1b-7b", 2048, 1024, 64, 8, tokens=16384),
+        MoEShape("mixtral-8x7b", 4096, 14336, 8, 2, tokens=16384),
+        MoEShape("deepseek-v2-lite", 2048, 1408, 64, 6, tokens=16384),
     )
 }
 
@@ -95,6 +115,31 @@ def cuda_kernels(prof) -> list:
     """The CUDA kernel events of a finished ``torch.profiler.profile``, in launch order."""
     return sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                   key=lambda e: e.time_range.start)
+
+
+GEMM_KERNELS = ("_grouped_mm_",)  # name prefix of moekit's grouped GEMM kernels (Triton and Gluon)
+
+
+def step_profile(step, *, gemm_prefixes=GEMM_KERNELS) -> dict:
+    """Profile one call of ``step`` (after a warm-up call) and split its GPU time: {"total": ms,
+    "gemm": ms in kernels whose name starts with a GEMM prefix, "glue": ms of every other kernel,
+    "top": [(name, ms), ...] the five largest glue kernels (summed over calls of one name)}."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    gemm, glue = 0.0, {}
+    for e in cuda_kernels(prof):
+        ms = e.time_range.elapsed_us() / 1e3
+        if e.name.startswith(gemm_prefixes):
+            gemm += ms
+        else:
+            glue[e.name] = glue.get(e.name, 0.0) + ms
+    top = sorted(glue.items(), key=lambda kv: -kv[1])[:5]
+    return {"total": gemm + sum(glue.values()), "gemm": gemm, "glue": sum(glue.values()), "top": top}
 
 
 def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:

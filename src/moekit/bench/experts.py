@@ -16,7 +16,7 @@ import torch
 from ..layers import GptOssExperts
 from ..testing import rel_errors, routed_counts
 from . import MoEShape, environment, interleaved_ms, run_table
-from .baselines import TorchtitanGptOssExperts
+from .baselines import TorchtitanExperts
 
 
 @dataclass
@@ -69,7 +69,7 @@ def run_shape(shape: MoEShape, device) -> ExpertRow:
     counts = routed_counts(shape.tokens, shape.e, shape.top_k, generator=gen).to(device)
     torch.manual_seed(0)
     ex = GptOssExperts(shape.d, shape.f, shape.e, device=device, dtype=torch.bfloat16)
-    base = TorchtitanGptOssExperts(ex)
+    base = TorchtitanExperts(ex)
     x = torch.randn(rows, shape.d, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(rows, shape.d, device=device, dtype=torch.bfloat16)
     fns, saved = {}, {}
@@ -93,7 +93,20 @@ def run_shape(shape: MoEShape, device) -> ExpertRow:
     return ExpertRow(shape.name, 6.0 * rows * shape.d * shape.f, ms, saved, err)
 
 
+def cpu_table(rows: list[ExpertRow]) -> str:
+    """Without a GPU: the reference's and the baseline's times and their agreement, no speed ratios."""
+    out = [environment(), "", "CPU: moekit runs its pure-PyTorch reference here; the Triton kernels need a GPU.", "",
+           "| shape | impl | fwd ms | bwd ms | err vs torchtitan |", "|---|---|---|---|---|"]
+    for r in rows:
+        for impl, label in (("moekit", "moekit (reference)"), ("torchtitan", "torchtitan-style")):
+            err = f"{r.err:.1e}" if impl == "moekit" else ""
+            out.append(f"| {r.shape} | {label} | {r.ms[impl, 'fwd']:.2f} | {r.ms[impl, 'bwd']:.2f} | {err} |")
+    return "\n".join(out)
+
+
 def table(rows: list[ExpertRow]) -> str:
+    if not torch.cuda.is_available():
+        return cpu_table(rows)
     out = [
         f"{environment()}",
         "",

@@ -1,11 +1,14 @@
-"""MoE-block benchmark: moekit.MoE against the torchtitan-style block of BENCH.md, and SonicMoE's
-block when it can be imported.
+"""MoE-block benchmark: ``moekit.MoE`` against the torchtitan-style block, SonicMoE and a dense matmul.
 
-Times forward and forward+backward (backward = the difference; implementations interleaved over
-rotating rounds) of the whole block (router, dispatch,
-experts, combine) and measures saved activations (memory after the forward, minus before, minus the
-output), for the gpt-oss shapes at T tokens. SonicMoE runs its own configuration (plain SwiGLU, no
-biases; ``baselines.sonicmoe_block``), so its row is a speed reference, not the same computation.
+Each shape runs the whole block (router, dispatch, experts, combine) in the configuration SonicMoE
+computes: plain SwiGLU (``silu(gate) * up``), no expert or router biases, softmax top-k with the
+chosen scores renormalized. The gpt-oss shapes also run gpt-oss's own configuration (biases and the
+gpt-oss SwiGLU) against the torchtitan-style gpt-oss block. Per implementation: forward and backward
+times (backward = a training step minus its forward; implementations interleaved over rotating
+rounds), the expert FLOPs' rate, saved activations, and for moekit the share of one profiled step
+that is glue (every kernel but the grouped GEMMs). "dense" is one ``torch.matmul`` per expert GEMM of
+the same FLOPs: the practical roofline. SonicMoE runs in a child process with a timeout
+(``moekit.bench.sonic``); a hang or an error is reported in its row.
 """
 
 from __future__ import annotations
@@ -14,67 +17,125 @@ import torch
 
 from ..layers import MoE
 from ..testing import rel_errors
-from . import MoEShape, environment, interleaved_ms, run_table
-from .baselines import TorchtitanMoE, sonicmoe_block
-from .experts import _saved_bytes
+from . import MoEShape, environment, interleaved_ms, run_table, step_profile
+from .baselines import TorchtitanMoE
+from .experts import _dense_calls, _saved_bytes
+from .sonic import sonicmoe_block_times
+
+CONFIGS = {
+    "plain": dict(bias=False, router_bias=False, activation="swiglu"),
+    "gpt-oss": dict(bias=True, router_bias=True, activation="gpt-oss"),
+}
 
 
-def run_shape(shape: MoEShape, device) -> dict:
+def _configs(shape: MoEShape) -> list[str]:
+    return ["plain", "gpt-oss"] if shape.name.startswith("gpt-oss") else ["plain"]
+
+
+def _time_config(shape: MoEShape, config: str, device, x, dy) -> dict:
     torch.manual_seed(0)
-    moe = MoE(shape.d, shape.f, shape.e, shape.top_k, device=device, dtype=torch.bfloat16)
+    moe = MoE(shape.d, shape.f, shape.e, shape.top_k, device=device, dtype=torch.bfloat16, **CONFIGS[config])
     base = TorchtitanMoE(moe)
-    x = torch.randn(shape.tokens, shape.d, device=device, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn_like(x)
     params = [x, *moe.parameters()]
-    row = {"shape": shape.name, "flops": 6.0 * shape.tokens * shape.top_k * shape.d * shape.f}
-    impls = [("moekit", moe, params), ("torchtitan", base, params)]
-    sonic = sonicmoe_block(shape.d, shape.f, shape.e, shape.top_k, device)
-    if sonic is not None:
-        impls.append(("sonicmoe", sonic, [x, *sonic.parameters()]))
-        torch.autograd.grad(sonic(x), impls[-1][2], dy)  # its first call per shape autotunes
     fns = {}
-    for name, mod, ps in impls:
+    for name, mod in (("moekit", moe), ("torchtitan", base)):
         fns[name, "fwd"] = lambda mod=mod: mod(x)
-        fns[name, "step"] = lambda mod=mod, ps=ps: torch.autograd.grad(mod(x), ps, dy)
-    ms = interleaved_ms(fns)  # rounds with a rotating order: drift weighs on every implementation alike
-    for name, mod, _ in impls:
-        fwd_ms, saved = ms[name, "fwd"], _saved_bytes(lambda mod=mod: mod(x))
-        row[name] = dict(fwd=fwd_ms, bwd=max(ms[name, "step"] - fwd_ms, 1e-6), saved=saved)
+        fns[name, "step"] = lambda mod=mod: torch.autograd.grad(mod(x), params, dy)
+    if config == "plain":
+        fns["dense", "fwd"], fns["dense", "bwd"] = _dense_calls(x.detach().repeat(shape.top_k, 1), shape.d,
+                                                                shape.f, device)
+    ms = interleaved_ms(fns)
+    row = {"shape": shape.name, "config": config, "tokens": shape.tokens,
+           "flops": 6.0 * shape.tokens * shape.top_k * shape.d * shape.f}
+    for name, mod in (("moekit", moe), ("torchtitan", base)):
+        fwd = ms[name, "fwd"]
+        row[name] = dict(fwd=fwd, bwd=max(ms[name, "step"] - fwd, 1e-6), saved=_saved_bytes(lambda mod=mod: mod(x)))
+    if "dense" in {k[0] for k in ms}:
+        row["dense"] = dict(fwd=ms["dense", "fwd"], bwd=ms["dense", "bwd"], saved=None)
+    if device == "cuda":
+        row["profile"] = step_profile(lambda: torch.autograd.grad(moe(x), params, dy))
     with torch.no_grad():
         row["err"] = rel_errors(moe(x), base(x))[1]
     return row
 
 
-def table(rows) -> str:
-    out = [
-        environment(),
-        "",
-        "| shape | impl | fwd ms | bwd ms | fwd+bwd ms | expert TF/s fwd | saved GiB | speedup fwd+bwd | saved ratio"
-        " | err |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+def run_shape(shape: MoEShape, device, *, sonicmoe: bool = False, sonic_timeout_s: float = 300.0) -> list[dict]:
+    sonic = None
+    if sonicmoe and device == "cuda":  # before this process holds the shape's memory
+        torch.cuda.empty_cache()
+        sonic = sonicmoe_block_times(shape.d, shape.f, shape.e, shape.top_k, shape.tokens, timeout_s=sonic_timeout_s)
+    torch.manual_seed(1)
+    x = torch.randn(shape.tokens, shape.d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    rows = [_time_config(shape, config, device, x, dy) for config in _configs(shape)]
+    if sonic is not None:
+        rows[0]["sonicmoe"] = sonic
+    return rows
+
+
+def _step(m: dict) -> float:
+    return m["fwd"] + m["bwd"]
+
+
+def cpu_table(rows) -> str:
+    """Without a GPU: the reference's and the baseline's times and their agreement, no speed ratios."""
+    out = [environment(), "", "CPU: moekit runs its pure-PyTorch reference here; the Triton kernels need a GPU.", "",
+           "| shape | config | impl | fwd ms | bwd ms | err vs torchtitan |", "|---|---|---|---|---|---|"]
     for r in rows:
-        base_total = r["torchtitan"]["fwd"] + r["torchtitan"]["bwd"]
-        for impl in ("moekit", "torchtitan", "sonicmoe"):
-            if impl not in r:
-                continue
-            m = r[impl]
-            total = m["fwd"] + m["bwd"]
-            ratio = m["saved"] / r["torchtitan"]["saved"] if r["torchtitan"]["saved"] else float("nan")
+        for impl, label in (("moekit", "moekit (reference)"), ("torchtitan", "torchtitan-style")):
             err = f"{r['err']:.1e}" if impl == "moekit" else ""
-            out.append(
-                f"| {r['shape']} | {impl} | {m['fwd']:.2f} | {m['bwd']:.2f} | {total:.2f} | "
-                f"{r['flops'] / m['fwd'] / 1e9:.0f} | {m['saved'] / 2**30:.2f} | {base_total / total:.2f}x | "
-                f"{ratio:.2f} | {err} |"
-            )
-    sonic = [r for r in rows if "sonicmoe" in r]
-    if sonic:
-        out += ["", "| shape | moekit vs SonicMoE, fwd+bwd (SonicMoE: plain SwiGLU, no biases) |", "|---|---|"]
-        for r in sonic:
-            total = {i: r[i]["fwd"] + r[i]["bwd"] for i in ("moekit", "sonicmoe")}
-            out.append(f"| {r['shape']} | {total['sonicmoe'] / total['moekit']:.2f}x |")
+            out.append(f"| {r['shape']} | {r['config']} | {label} | {r[impl]['fwd']:.2f} | {r[impl]['bwd']:.2f} "
+                       f"| {err} |")
     return "\n".join(out)
 
 
-def main(shapes, out_md: str | None = None, progress=None) -> str:
-    return run_table(run_shape, table, shapes, out_md=out_md, progress=progress)
+def table(rows) -> str:
+    if not torch.cuda.is_available():
+        return cpu_table(rows)
+    out = [
+        environment(),
+        "",
+        "| shape | T | config | impl | fwd ms | bwd ms | fwd+bwd ms | TF/s | saved GiB | glue % | err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for impl in ("moekit", "torchtitan", "sonicmoe", "dense"):
+            m = r.get(impl)
+            if m is None:
+                continue
+            head = f"| {r['shape']} | {r['tokens']} | {r['config']} | {impl} |"
+            if impl == "sonicmoe" and m.get("status") != "ok":
+                out.append(f"{head} {m['status']} | | | | | | |")
+                continue
+            saved = f"{m['saved'] / 2**30:.2f}" if m.get("saved") is not None else "-"
+            glue = f"{100 * r['profile']['glue'] / r['profile']['total']:.0f}" if impl == "moekit" else ""
+            err = f"{r['err']:.1e}" if impl == "moekit" else ""
+            out.append(f"{head} {m['fwd']:.2f} | {m['bwd']:.2f} | {_step(m):.2f} | "
+                       f"{3 * r['flops'] / _step(m) / 1e9:.0f} | {saved} | {glue} | {err} |")
+    out += ["", "| shape | config | vs torchtitan | vs SonicMoE | of dense TF/s | saved vs SonicMoE | glue % |",
+            "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t = _step(r["moekit"])
+        sonic = r.get("sonicmoe")
+        sonic_ok = sonic is not None and sonic.get("status") == "ok"
+        vs_sonic = f"{_step(sonic) / t:.2f}x" if sonic_ok else (sonic["status"] if sonic else "-")
+        saved = f"{r['moekit']['saved'] / sonic['saved']:.2f}" if sonic_ok and sonic["saved"] else "-"
+        dense = f"{_step(r['dense']) / t:.2f}" if "dense" in r else "-"
+        glue = 100 * r["profile"]["glue"] / r["profile"]["total"]
+        out.append(f"| {r['shape']} | {r['config']} | {_step(r['torchtitan']) / t:.2f}x | {vs_sonic} | {dense} | "
+                   f"{saved} | {glue:.0f} |")
+    out += ["", "Glue kernels of one profiled moekit step (ms):", ""]
+    for r in rows:
+        top = ", ".join(f"{name[:48]} {ms:.2f}" for name, ms in r["profile"]["top"])
+        p = r["profile"]
+        out.append(f"- {r['shape']} ({r['config']}): GEMMs {p['gemm']:.2f} of {p['total']:.2f} ms; {top}")
+    return "\n".join(out)
+
+
+def main(shapes, out_md: str | None = None, progress=None, *, sonicmoe: bool = False,
+         sonic_timeout_s: float = 300.0) -> str:
+    def run(shape, device):
+        return run_shape(shape, device, sonicmoe=sonicmoe, sonic_timeout_s=sonic_timeout_s)
+
+    return run_table(run, lambda rows: table([r for rs in rows for r in rs]), shapes, out_md=out_md,
+                     progress=progress)

@@ -15,20 +15,23 @@ def _rows(path: str) -> list[list[str]]:
 
 
 def _step_tflops(path: str) -> dict:
-    """{(shape, impl): TF/s of forward + backward} from a moe.md or experts.md table."""
+    """{(shape, impl): TF/s of forward + backward} from a moe.md or experts.md table (the MoE table's
+    plain-SwiGLU rows; rows without timings, such as a SonicMoE timeout, are left out)."""
     rows = _rows(path)
     head = rows[0]
     col = {name: i for i, name in enumerate(head)}
     out = {}
     for r in rows[1:]:
-        if len(r) != len(head) or r[0].startswith("---"):
+        if len(r) != len(head) or r[0].startswith("---") or r[col.get("config", 0)] == "gpt-oss":
             continue
-        total = float(r[col["fwd+bwd ms"]])
-        if "fwd TF/s" in col:  # experts table: 3x the forward FLOPs over the step
-            flops_per_ms = float(r[col["fwd TF/s"]]) * float(r[col["fwd ms"]])
-        else:  # moe table: expert TF/s of the forward
-            flops_per_ms = float(r[col["expert TF/s fwd"]]) * float(r[col["fwd ms"]])
-        out[r[0], r[1]] = 3 * flops_per_ms / total
+        try:
+            total = float(r[col["fwd+bwd ms"]])
+            if "TF/s" in col:  # moe table: the rate of the step
+                out[r[0], r[col["impl"]]] = float(r[col["TF/s"]])
+            else:  # experts table: 3x the forward FLOPs over the step
+                out[r[0], r[1]] = 3 * float(r[col["fwd TF/s"]]) * float(r[col["fwd ms"]]) / total
+        except (ValueError, KeyError):
+            continue
     return out
 
 
@@ -51,7 +54,7 @@ def plot(tables: dict[str, str], path: str) -> None:
         for k, impl in enumerate(impls):
             xs = [j + (k - (len(impls) - 1) / 2) * width for j in range(len(shapes))]
             ax.bar(xs, [data.get((s, impl), 0) for s in shapes], width, label=impl, color=_COLORS[impl])
-        ax.set_xticks(range(len(shapes)), shapes)
+        ax.set_xticks(range(len(shapes)), shapes, fontsize=7, rotation=30, ha="right")
         ax.set_ylabel("TF/s (fwd + bwd)")
         ax.set_title(title)
         ax.legend(fontsize=8)

@@ -2,7 +2,7 @@
 timed cool, right after seconds of other work, and after an idle pause, with the SM clock, temperature
 and power draw that nvidia-smi reports after each measurement.
 
-    PYTHONPATH=src python3 benchmarks/probe_order.py
+    PYTHONPATH=src python3 probes/order.py
 """
 
 import subprocess
@@ -11,7 +11,7 @@ import time
 import torch
 
 from moekit.bench import SHAPES, bench_ms
-from moekit.bench.baselines import TorchtitanGptOssExperts
+from moekit.bench.baselines import TorchtitanExperts
 from moekit.bench.experts import _dense_calls
 from moekit.layers import GptOssExperts
 from moekit.testing import routed_counts
@@ -34,7 +34,7 @@ def main():
     rows = s.tokens * s.top_k
     counts = routed_counts(s.tokens, s.e, s.top_k).cuda()
     ex = GptOssExperts(s.d, s.f, s.e, device="cuda", dtype=torch.bfloat16)
-    base = TorchtitanGptOssExperts(ex)
+    base = TorchtitanExperts(ex)
     x = torch.randn(rows, s.d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(rows, s.d, device="cuda", dtype=torch.bfloat16)
 

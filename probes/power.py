@@ -4,7 +4,7 @@ power of the steady part. Cases: a dense bf16 matmul with random operands, with 
 half of A's 128-row blocks zero (the rows a grouped GEMM computes past a group's end can be random
 rows of the next group or zeros), then the same three on the gpt-oss-120b up-projection shape.
 
-    python benchmarks/probe_power.py
+    python probes/power.py
 """
 
 import subprocess

@@ -4,7 +4,7 @@ the persistent GEMM on all but S SMs, the bandwidth-bound pass on a second strea
 the GEMM leaves free (and all of them once the GEMM is done). Times, per gpt-oss shape, the two one
 after the other against the two side by side for several S, in paired rounds (ratios to sequential).
 
-    python benchmarks/probe_overlap.py [gpt-oss-20b gpt-oss-120b]
+    python probes/overlap.py [gpt-oss-20b gpt-oss-120b]
 """
 
 import sys

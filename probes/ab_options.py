@@ -1,16 +1,15 @@
 """Paired A/B of the expert MLP step (``GptOssExperts`` forward + backward) under two settings of
-moekit's environment switches, in one process: ``python benchmarks/ab_experts_env.py
-MOEKIT_RECOMPUTE_H=1 [gpt-oss-20b gpt-oss-120b]`` times the default against the switch set. Each
+moekit's options, in one process: ``python probes/ab_options.py save_h=0 [gpt-oss-20b gpt-oss-120b]``
+times the default against the options given. Each
 round times both in a rotating order; the table gives each one's median step time, its median ratio
 to the default over the rounds' pairs (with the quartiles), and the activations its forward saves.
-The switches must be read at call time (``config.save_h``, ``config.fused_dswiglu``).
 """
 
-import os
 import sys
 
 import torch
 
+import moekit
 from moekit import GptOssExperts
 from moekit.bench import SHAPES, environment, paired_ratios
 from moekit.bench.experts import _saved_bytes
@@ -19,18 +18,10 @@ from moekit.testing import routed_counts
 ROUNDS = 10
 
 
-def _with_env(fn, env):
+def _with_options(fn, changes):
     def run():
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with moekit.options(**changes):
             return fn()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k)
-                else:
-                    os.environ[k] = v
     return run
 
 
@@ -49,9 +40,9 @@ def _compare(name, env):
             grads[key] = torch.autograd.grad(ex(x, counts), [x, *ex.parameters()], dy)
         return run
 
-    fns = {"default": step("default"), "switched": _with_env(step("switched"), env)}
+    fns = {"default": step("default"), "switched": _with_options(step("switched"), env)}
     saved = {"default": _saved_bytes(lambda: ex(x, counts)),
-             "switched": _with_env(lambda: _saved_bytes(lambda: ex(x, counts)), env)()}
+             "switched": _with_options(lambda: _saved_bytes(lambda: ex(x, counts)), env)()}
     for fn in fns.values():
         fn()
     torch.cuda.synchronize()
@@ -64,7 +55,7 @@ def _compare(name, env):
 
 
 def main(args):
-    env = dict(a.split("=", 1) for a in args if "=" in a)
+    env = {k: v == "1" for k, v in (a.split("=", 1) for a in args if "=" in a)}
     print(environment())
     for name in [a for a in args if "=" not in a] or ["gpt-oss-20b", "gpt-oss-120b"]:
         _compare(name, env)

@@ -1,7 +1,7 @@
 """Measurement instruments for the warp-specialized rows-ragged GEMM (``hopper_gemm.py``): the same
 kernel with one of its two costs taken out, so that a power probe can split a GEMM's energy between
 moving operands from L2 into shared memory and the tensor-core math
-(``benchmarks/probe_stream.py``). Neither computes anything useful; nothing in moekit calls them.
+(``probes/stream.py``). Neither computes anything useful; nothing in moekit calls them.
 
 * ``_ws_stream_kernel``: the loader warp walks the tiles and streams every A and B box through the
   ring exactly as the GEMM does; the two consumer warpgroups only wait for each stage and free it.
@@ -20,7 +20,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .hopper_gemm import PLAIN, _advance, _b_operand, _load_partition, _shared_state
+from moekit._kernels.hopper_gemm import PLAIN, _advance, _b_operand, _load_partition, _shared_state
 
 
 @gluon.jit

@@ -6,19 +6,19 @@ back on a GPU that idled 5 s; the same right after 3 s of the torchtitan step; d
 (the table's method) right after that; and each kernel of one hot step, in launch order. nvidia-smi
 samples the SM clock and board power of the back-to-back runs.
 
-    python benchmarks/probe_bench_gap.py [shape ...]
+    python probes/bench_gap.py [shape ...]
 """
 
 import sys
 import time
 
 import torch
-from probe_power import _sampled
+from power import _sampled
 from torch.profiler import ProfilerActivity, profile
 
 from moekit import GptOssExperts
 from moekit.bench import SHAPES, bench_ms, cuda_kernels, environment
-from moekit.bench.baselines import TorchtitanGptOssExperts
+from moekit.bench.baselines import TorchtitanExperts
 from moekit.bench.experts import _dense_calls
 from moekit.testing import routed_counts
 
@@ -36,7 +36,7 @@ def _probe(name):
     counts = routed_counts(s.tokens, s.e, s.top_k, generator=torch.Generator().manual_seed(0)).cuda()
     torch.manual_seed(0)
     ex = GptOssExperts(s.d, s.f, s.e, device="cuda", dtype=torch.bfloat16)
-    base = TorchtitanGptOssExperts(ex)
+    base = TorchtitanExperts(ex)
     x = torch.randn(rows, s.d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(rows, s.d, device="cuda", dtype=torch.bfloat16)
     params = [x, *ex.parameters()]

@@ -1,18 +1,18 @@
 """Probe: the MoE block (``moekit.MoE``, gpt-oss-20b) with and without the warp-specialized kernels.
 
-Times the forward and a training step with ``MOEKIT_NO_WS`` toggled in-process, interleaved over four
+Times the forward and a training step with the ``warp_specialized`` option toggled in-process, interleaved over four
 rotating rounds, so that both variants see the same GPU and the same clocks; then prints the
 per-kernel CUDA time of three steps of each (torch.profiler). A development tool: the committed tables
 come from ``python -m moekit bench``.
 
-    python benchmarks/probe_block_ws.py [shape]
+    python probes/block_ws.py [shape]
 """
 
 import sys
 
 import torch
-from probe_ws import _toggled  # (benchmarks/ is on sys.path when run as a script)
 from torch.profiler import ProfilerActivity, profile
+from ws import _toggled  # (probes/ is on sys.path when run as a script)
 
 from moekit.bench import SHAPES, environment, interleaved_ms
 from moekit.layers import MoE
@@ -41,7 +41,7 @@ def main(name: str):
             for _ in range(3):
                 steps[ws]()
             torch.cuda.synchronize()
-        print("ws" if ws else "triton (MOEKIT_NO_WS=1)")
+        print("ws" if ws else "triton (warp_specialized=False)")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50))
 
 

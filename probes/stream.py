@@ -6,45 +6,45 @@ no epilogue), runs back to back for ~1.5 s each, with nvidia-smi sampling clock 
 
 * ``gemm``: the warp-specialized rows-ragged GEMM (``ws_gemm``, plain epilogue);
 * ``stream``: the same kernel's loader streaming every A and B box through the ring, consumers idle
-  (``_kernels/hopper_probes.py``);
+  (``probes/hopper_kernels.py``);
 * ``mma``: the same wgmma loop over every tile on stages loaded once, no loads and no stores;
 * ``dense``: cuBLAS on one (R, D) @ (D, 2F) matmul, whose kernel name is printed.
 
 Energy per call is power x time; ``above idle`` subtracts the idle board power measured first.
 
-    python benchmarks/probe_stream.py [shape ...]
+    python probes/stream.py [shape ...]
 """
 
 import sys
 import time
 
+import hopper_kernels as hp
 import torch
-from probe_power import _sampled
+from power import _sampled
 from torch.profiler import ProfilerActivity, profile
 
-from moekit._kernels import hopper_probes as hp
 from moekit.bench import SHAPES, cuda_kernels, environment
-from moekit.grouped_gemm import _WS_GROUP_M, _WS_STAGES, _WS_TILE, _ws_desc, ws_gemm, ws_rows_setup
+from moekit.hopper import WS_GROUP_M, WS_STAGES, WS_TILE, ws_desc, ws_gemm, ws_rows_setup
 from moekit.testing import routed_counts
 
 
 def _launchers(x, b, offs, c):
     (m, k), n = x.shape, b.shape[2]
-    bm, bn, _ = _WS_TILE
-    c_desc = _ws_desc(c, [m, n], [c.stride(0), 1], [bm // 2, bn])
+    bm, bn, _ = WS_TILE
+    c_desc = ws_desc(c, [m, n], [c.stride(0), 1], [bm // 2, bn])
     b_trans = b.stride(2) != 1
     scratch = torch.empty(bm * bn, dtype=torch.bfloat16, device=x.device)
 
     def stream():
         a_desc, b_desc, table, programs = ws_rows_setup(x, b, offs, c, c, box_n=bn)
         hp._ws_stream_kernel[(programs,)](a_desc, b_desc, c_desc, table, k, n, NUM_SMS=programs,
-                                          GROUP_M=_WS_GROUP_M, STAGES=_WS_STAGES, B_TRANS=b_trans,
+                                          GROUP_M=WS_GROUP_M, STAGES=WS_STAGES, B_TRANS=b_trans,
                                           num_warps=4, maxnreg=168)
 
     def mma():
         a_desc, b_desc, table, programs = ws_rows_setup(x, b, offs, c, c, box_n=bn)
         hp._ws_mma_kernel[(programs,)](a_desc, b_desc, c_desc, scratch, table, k, n, NUM_SMS=programs,
-                                       STAGES=_WS_STAGES, B_TRANS=b_trans, num_warps=4, maxnreg=168)
+                                       STAGES=WS_STAGES, B_TRANS=b_trans, num_warps=4, maxnreg=168)
 
     return stream, mma
 

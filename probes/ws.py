@@ -3,48 +3,43 @@
 Times, with every implementation interleaved, the six GEMMs of a gpt-oss expert MLP step: the
 up-projection with its SwiGLU epilogue, the down-projection with its bias, the two dgrads
 (rows ragged) and the two weight gradients (ragged K), with
-``MOEKIT_NO_WS`` toggled in-process; torch._grouped_mm and a dense matmul give the scale. Also the
+the ``warp_specialized`` option toggled in-process; torch._grouped_mm and a dense matmul give the scale. Also the
 dH dgrad with the opt-in dSwiGLU epilogue ("ws"; "triton": the Triton dgrad plus the pass) against the
 plain warp-specialized dgrad plus the pass ("unfused", the default). Checks
 each warp-specialized result against the Triton path first. A development tool: the committed
 tables come from ``python -m moekit bench``.
 """
 
-import os
 import sys
 
 import torch
 
+import moekit
 from moekit import config
 from moekit.bench import SHAPES, environment, interleaved_ms
 from moekit.epilogue import SwiGLU
 from moekit.experts import grouped_mm_dswiglu, grouped_mm_swiglu_fwd, swiglu_bwd
-from moekit.grouped_gemm import _ragged_k, _ragged_m, ws_gemm
+from moekit.grouped_gemm import _ragged_k, _ragged_m
+from moekit.hopper import ws_gemm
 from moekit.testing import offs_from_counts, routed_counts
 
 
-def _with_env(fn, name, value):
-    """fn run with the environment variable ``name`` set to ``value`` (unset for None)."""
+def _with_options(fn, **changes):
+    """fn run under ``moekit.options(**changes)``."""
     def run():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-        try:
+        with moekit.options(**changes):
             return fn()
-        finally:
-            os.environ.pop(name, None)
     return run
 
 
 def _toggled(fn, ws: bool):
     """fn on the warp-specialized kernels (ws) or on the Triton ones."""
-    return _with_env(fn, "MOEKIT_NO_WS", None if ws else "1")
+    return _with_options(fn, warp_specialized=ws)
 
 
 def _fused(fn):
-    """fn with the opt-in fused dSwiGLU dgrad (``config.fused_dswiglu``)."""
-    return _with_env(fn, "MOEKIT_FUSED_DSWIGLU", "1")
+    """fn with the opt-in fused dSwiGLU dgrad (the ``fused_dswiglu`` option)."""
+    return _with_options(fn, fused_dswiglu=True)
 
 
 def _rel(a, b):

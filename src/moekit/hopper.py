@@ -1,0 +1,166 @@
+"""Launchers of the warp-specialized Gluon GEMMs for Hopper (``_kernels/hopper_gemm.py``).
+
+Each ``*_ok`` says whether a problem takes the Gluon kernel; the launchers build the Gluon TMA
+descriptors and the device-side tile table and launch one persistent program per SM. The kernel
+module is imported only where it runs (sm_90 with Gluon), so moekit imports anywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from . import config
+from ._kernels.hopper_modes import ColSum, Epilogue
+from .descriptors import row_bounded, tma_ok, weight_descriptor
+from .validation import ALIGN
+
+WS_TILE = (128, 256, 64)  # (block_m, block_n, block_k): two consumer warpgroups of 64 rows
+WS_STAGES = 3  # 3 x 48 KB ring + 2 x 32 KB epilogue buffers: 208 KB of the 227 KB
+WS_GROUP_M = 8  # row tiles walked together, for L2 reuse
+WS_MIN_ROWS = 128  # average rows per group below which the rows-ragged GEMM keeps Triton's smaller tiles
+
+
+
+def ws_rows_ragged(a, b, out, b_trans: bool) -> bool:
+    """Whether a plain rows-ragged GEMM takes the warp-specialized kernel: bf16, >= WS_MIN_ROWS rows
+    per group on average, and weights K-major or K <= N. (probes/ws.py, H100: the kernel wins on every
+    gpt-oss GEMM but the up-projection's dgrad, K = 2F = 2N with N-major weights, where it trails the
+    Triton kernel by 2-3%.)"""
+    (m, k), (e, _, n) = a.shape, b.shape
+    return (out.dtype == torch.bfloat16 and m >= WS_MIN_ROWS * e and (b_trans or k <= n)
+            and ws_ok(a, b, out))
+
+
+def ws_dswiglu_ok(a, b, aux, h_cols: int) -> bool:
+    """Whether the down-projection's dgrad a (M, K) @ b (E, K, N) takes the warp-specialized kernel
+    with the dSwiGLU epilogue (``ws_gemm(..., epilogue=Epilogue.DSWIGLU)``), writing into fresh row-major
+    d_aux (M, 2N) and h (M, h_cols) (d_aux's rows are aux's)."""
+    (m, _), (e, _, n) = a.shape, b.shape
+    return (m >= WS_MIN_ROWS * e and h_cols <= triton.cdiv(n, WS_TILE[1]) * WS_TILE[1]
+            and all(cols * a.element_size() % ALIGN == 0 for cols in (aux.shape[1], h_cols)) and ws_ok(a, b, aux))
+
+
+def ws_desc(t, shape, strides, block):
+    """A Gluon TMA descriptor over bf16 ``t`` with the default swizzled layout for ``block``."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    return GluonDescriptor(t, shape, strides, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
+
+
+def ws_ok(a: torch.Tensor, b: torch.Tensor, *outs: torch.Tensor) -> bool:
+    """Whether the warp-specialized Hopper kernel takes ``a (M, K) @ b (E, K, N)`` into ``outs``."""
+    return (
+        config.use_warp_specialized(a.device)
+        and a.dtype == torch.bfloat16
+        and a.shape[0] > 0
+        and a.shape[1] > 0
+        and tma_ok(a, 1)
+        and tma_ok(b, 2 if b.stride(2) == 1 else 1)
+        and all(tma_ok(t, 1) for t in outs)
+    )
+
+
+def ws_rows_setup(a, b, offs, c, out2, *, box_n: int):
+    """What every rows-ragged warp-specialized launch needs, for a (M, K) bf16 row-major, b (E, K, N)
+    with a unit stride along K or N, offs (E,) int32, and outputs c (M, N) and out2 (M, N2) (c again
+    when there is one output): the TMA descriptors of a and b (``box_n`` columns per B box), the
+    device-side row-tile table (its kernel also zero-fills the rows of c and out2 past offs[-1]), and
+    the number of persistent programs. Returns (a_desc, b_desc, table, programs)."""
+    from ._kernels import hopper_gemm as hk  # Gluon: imported only where it runs
+
+    (m, k), (e, _, n) = a.shape, b.shape
+    bm, bn, bk = WS_TILE
+    a_desc = ws_desc(a, [m, k], [a.stride(0), 1], [bm, bk])
+    b_desc = weight_descriptor(b, bk, box_n, make=ws_desc)
+    max_row_tiles = triton.cdiv(m, bm) + e
+    table = torch.empty(4 * (max_row_tiles + 1), dtype=torch.int32, device=a.device)
+    hk._tile_table_kernel[(max(triton.cdiv(max_row_tiles, 128), 8),)](
+        offs, table, c, out2, m, c.shape[1], out2.shape[1] if out2 is not c else 0, e,
+        c.stride(0), out2.stride(0), max_row_tiles,
+        BLOCK_M=bm, BLOCK_E=triton.next_power_of_2(e + 1), BLOCK_T=128, BLOCK_Z=32, num_warps=4,
+    )
+    return a_desc, b_desc, table, min(config.num_sms(a.device), max_row_tiles * triton.cdiv(n, bn))
+
+
+def ws_gemm(a, b, offs, c, *, epilogue: Epilogue = Epilogue.PLAIN, bias=None, out2=None, aux=None, spec=None):
+    """Rows-ragged GEMM on the warp-specialized Hopper kernel (check ``ws_ok`` first).
+
+    a (M, K) bf16 row-major; b (E, K, N) with a unit stride along K or N; bias (E, N) or None.
+
+    * Epilogue.PLAIN: c (M, N) = a @ b[g] (+ bias).
+    * Epilogue.SWIGLU: c = aux (M, N) and out2 = h = SwiGLU(aux) (M, N / 2), gate and linear columns
+      interleaved.
+    * Epilogue.DSWIGLU (the down-projection's dgrad): dH = a @ b[g] (M, N) is never stored; from it and
+      ``aux`` (M, 2N), c = d_aux = dSwiGLU(aux) * dH (M, 2N) and out2 = h = SwiGLU(aux), (M, N2)
+      with N2 >= N: column N of out2 is ones when N2 > N (N2 must then stay within the last
+      256-column tile), later columns are zeros.
+
+    Rows past offs[-1] of c and out2 are zero."""
+    from ._kernels import hopper_gemm as hk  # Gluon: imported only where it runs
+
+    (m, k), n = a.shape, b.shape[2]
+    bm, bn, bk = WS_TILE
+    dsw = epilogue == Epilogue.DSWIGLU
+    out2 = c if out2 is None else out2
+    box_n = bn // 2 if dsw else bn  # DSWIGLU: one B box per accumulator
+    a_desc, b_desc, table, programs = ws_rows_setup(a, b, offs, c, out2, box_n=box_n)
+    b_trans = b.stride(2) != 1
+    # aux / d_aux as int32 words of bf16 pairs
+    c_arg = c.view(torch.int32) if epilogue in (Epilogue.SWIGLU, Epilogue.DSWIGLU) else c
+    sw = spec.constexprs() if spec is not None else dict(ALPHA=1.0, LIMIT=None, OFFSET=0.0)
+    common = dict(NUM_SMS=programs, GROUP_M=WS_GROUP_M, STAGES=WS_STAGES, B_TRANS=b_trans,
+                  ALPHA=sw["ALPHA"], LIMIT=sw["LIMIT"], OFFSET=sw["OFFSET"], maxnreg=168)
+    if dsw:  # one 8-warp consumer partition (hopper_gemm.py)
+        aux_desc = ws_desc(aux, [m, aux.shape[1]], [aux.stride(0), 1], [bm, bn])
+        hk._grouped_mm_ws_dswiglu_kernel[(programs,)](
+            a_desc, b_desc, aux_desc, c_arg, c_arg.stride(0), out2, out2.stride(0), table, n, out2.shape[1], k,
+            num_warps=8, **common,
+        )
+        return c
+    c_desc = ws_desc(c, [m, c.shape[1]], [c.stride(0), 1], [bm // 2, bn])
+    hk._grouped_mm_ws_kernel[(programs,)](
+        a_desc, b_desc, c_desc,
+        c_arg, c_arg.stride(0), out2, out2.stride(0),
+        bias if bias is not None else c, bias.stride(0) if bias is not None else 0, table,
+        n, k, HAS_BIAS=bias is not None, EPILOGUE=int(epilogue), num_warps=4, **common,
+    )
+    return c
+
+
+@functools.cache
+def _ones_tile(device: torch.device, rows: int, cols: int) -> torch.Tensor:
+    """A (rows, cols) bf16 tile whose first column is ones: the A operand of a virtual ones row."""
+    t = torch.zeros(rows, cols, dtype=torch.bfloat16, device=device)
+    t[:, 0] = 1.0
+    return t
+
+
+def ws_ragged_k(a, b, offs, out, colsum, mode: ColSum):
+    """2D x 2D on the warp-specialized Hopper kernel: out (E, M_C, N) = a (M, Kt) @ b (Kt, N) per group,
+    a with unit stride along M, b along N. ``mode`` (``ColSum``): none; ``ROW``: a's last row is ones
+    (M_C = M - 1) and its product row goes to ``colsum`` (E, N) fp32; ``VIRTUAL``: M % 128 == 64, and
+    the kernel multiplies a constant row of ones in the empty half of the last row tile into
+    ``colsum``. The caller checked the layouts (``_ragged_k``)."""
+    from ._kernels import hopper_gemm as hk  # Gluon: imported only where it runs
+
+    (m, kt), n, e = a.shape, b.shape[1], offs.numel()
+    bm, bn, bk = WS_TILE
+    a_desc = row_bounded(a.mT, [bk, bm // 2], ws_desc)
+    ones = _ones_tile(a.device, bk, bm // 2) if mode == ColSum.VIRTUAL else None
+    ones_desc = ws_desc(ones, [1, 1, bk, bm // 2], [bk * bm // 2, bk * bm // 2, bm // 2, 1],
+                         [1, 1, bk, bm // 2]) if ones is not None else a_desc
+    b_desc = row_bounded(b, [bk, bn], ws_desc)
+    c_desc = ws_desc(out, list(out.shape), [out.stride(0), out.stride(1), 1], [1, bm // 2, bn])
+    programs = min(config.num_sms(a.device), e * triton.cdiv(m, bm) * triton.cdiv(n, bn))
+    hk._grouped_mm_ws_ragged_k_kernel[(programs,)](
+        a_desc, ones_desc, b_desc, c_desc,
+        colsum if colsum is not None else out, colsum.stride(0) if colsum is not None else 0,
+        offs, m, n, kt, e,
+        NUM_SMS=programs, GROUP_M=WS_GROUP_M, STAGES=WS_STAGES, COLSUM=int(mode),
+        num_warps=4, maxnreg=168,
+    )
+
