@@ -97,7 +97,7 @@ def test_weight_gradients_arrive_in_the_parameter_layout():
 
 
 def test_router_logits_on_tensor_cores_match_fp32():
-    from moekit.routing import router_logits
+    from moekit.routing import _router_logits_op, router_logits
 
     torch.manual_seed(3)
     x = torch.randn(4096, 2048, device=DEV).to(BF16).requires_grad_()
@@ -114,3 +114,4 @@ def test_router_logits_on_tensor_cores_match_fp32():
     for t, t64 in ((x, x64), (w, w64), (b, b64)):
         rel = (t.grad.double() - t64.grad).norm() / t64.grad.norm()
         assert rel < 1e-2, float(rel)  # the logits' gradient is rounded to bf16
+    torch.library.opcheck(_router_logits_op, (x[:256], w, b))

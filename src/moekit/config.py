@@ -135,7 +135,7 @@ def uses_triton(device: torch.device) -> bool:
     """Whether ops on ``device`` go through the Triton kernels (else the pure-PyTorch reference).
     Raises when the installed Triton is one moekit's kernels were not tested with."""
     use = not _options.reference and (device.type == "cuda" or is_interpreting())
-    if use:
+    if use and not torch.compiler.is_compiling():  # checked when eager calls first run
         check_triton()
     return use
 

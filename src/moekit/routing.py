@@ -284,39 +284,62 @@ def _split_bf16(w: torch.Tensor) -> torch.Tensor:
     return torch.cat([hi, (w - hi.float()).to(torch.bfloat16)])
 
 
-class _RouterLogits(torch.autograd.Function):
-    """fp32 logits of bf16 tokens on the tensor cores: x (T, D) bf16 times the fp32 gate weight split
-    into two bf16 terms (hi + lo, ~16 mantissa bits: routing then agrees with an fp32 GEMM up to
-    near-ties), one GEMM with fp32 accumulation and output, and no fp32 copy of x. The backward runs
-    on the tensor cores too, with the logits' gradient rounded to bf16."""
+@torch.library.custom_op("moekit::router_logits", mutates_args=())
+def _router_logits_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp32 logits of bf16 tokens on the tensor cores: x (T, D) bf16 times the fp32 gate weight (E, D)
+    split into two bf16 terms (hi + lo, ~16 mantissa bits: routing then agrees with an fp32 GEMM up
+    to near-ties), in one GEMM with fp32 accumulation and output, and no fp32 copy of x. A custom op,
+    so that torch.compile keeps the fp32 output instead of decomposing it."""
+    e = weight.shape[0]
+    both = torch.mm(x, _split_bf16(weight.float()).t(), out_dtype=torch.float32)  # (T, 2E)
+    logits = both[:, :e] + both[:, e:]
+    return logits if bias is None else logits + bias.float()
 
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        w2 = _split_bf16(weight.float())
-        both = torch.mm(x, w2.t(), out_dtype=torch.float32)  # (T, 2E)
-        e = weight.shape[0]
-        logits = both[:, :e] + both[:, e:]
-        if bias is not None:
-            logits = logits + bias.float()
-        ctx.save_for_backward(x, w2[:e])
-        ctx.has_bias, ctx.w_dtype = bias is not None, weight.dtype
-        return logits
 
-    @staticmethod
-    def backward(ctx, grad):
-        x, w_hi = ctx.saved_tensors
-        g = grad.to(x.dtype)
-        dx = torch.mm(g, w_hi) if ctx.needs_input_grad[0] else None
-        dw = torch.mm(g.t(), x, out_dtype=torch.float32).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
-        db = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dw, db
+@_router_logits_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("moekit::router_logits_bwd", mutates_args=())
+def _router_logits_bwd_op(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_x: bool, need_w: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx (T, D) in x.dtype, dW (E, D) in weight.dtype) on the tensor cores, with the logits' gradient
+    rounded to x.dtype; empty tensors stand in for gradients not needed."""
+    g = grad.to(x.dtype)
+    dx = torch.mm(g, weight.to(x.dtype)) if need_x else x.new_empty(0)
+    dw = torch.mm(g.t(), x, out_dtype=torch.float32).to(weight.dtype) if need_w else weight.new_empty(0)
+    return dx, dw
+
+
+@_router_logits_bwd_op.register_fake
+def _(grad, x, weight, need_x, need_w):
+    return x.new_empty(x.shape if need_x else (0,)), weight.new_empty(weight.shape if need_w else (0,))
+
+
+def _router_logits_setup(ctx, inputs, output):
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _router_logits_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad
+    dx, dw = _router_logits_bwd_op(grad, x, weight, need_x, need_w)
+    db = grad.sum(0) if ctx.has_bias and need_b else None
+    return (dx if need_x else None), (dw if need_w else None), db
+
+
+_router_logits_op.register_autograd(_router_logits_backward, setup_context=_router_logits_setup)
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 gate logits x (T, D) @ weight (E, D)^T + bias (E,) -> (T, E). bf16 tokens on a GPU take
-    the tensor cores (``_RouterLogits``); anything else an fp32 GEMM on an fp32 copy of x."""
+    the tensor cores (``_router_logits_op``); anything else an fp32 GEMM on an fp32 copy of x."""
     if x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.float32:
-        return _RouterLogits.apply(x, weight, bias)
+        return _router_logits_op(x, weight, bias)
     return torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
 
 

@@ -179,8 +179,8 @@ def run_table(run_shape, table, shapes, *, out_md: str | None = None, progress=N
         rows.append(run_shape(shape, device))
         if device == "cuda":
             torch.cuda.empty_cache()
-    text = table(rows)
-    if out_md:
-        with open(out_md, "w") as fh:
-            fh.write(text + "\n")
+        text = table(rows)
+        if out_md:  # after every shape, so that a run cut short keeps what it measured
+            with open(out_md, "w") as fh:
+                fh.write(text + "\n")
     return text
