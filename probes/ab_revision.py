@@ -13,7 +13,7 @@ up, and the weight gradients dWdown (with db_down's ones row) and dWup (with db_
 Each round times every variant for 30 ms in a rotating order; the table gives each variant's median
 time and its median ratio to the old revision over the rounds' pairs, with the quartiles.
 Pairs within a round cancel the clock drift that makes unpaired medians of one variant move by 2-5%
-between runs (bench/NOTES.md, expert MLP entry 21). Variants beyond ``old`` and ``new`` are module
+between runs (docs/design.md, section 10). Variants beyond ``old`` and ``new`` are module
 switches of the working tree, edited into ``VARIANTS`` for the question at hand.
 """
 

@@ -1,5 +1,5 @@
 """Why does the expert table time gpt-oss-120b's step ~2 ms slower than profile_experts.py does
-(27.0-27.7 against 25.2-25.9 ms over sessions four to seven) while 20b agrees within 0.6 ms?
+(27.0-27.7 against 25.2-25.9 ms over several runs) while 20b agrees within 0.6 ms?
 
 Per shape, with the expert table's setup (seeded routing, shared parameters): moekit's step back to
 back on a GPU that idled 5 s; the same right after 3 s of the torchtitan step; do_bench's median

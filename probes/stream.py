@@ -1,5 +1,5 @@
 """Where does a grouped GEMM's energy go: moving its operands from L2 into shared memory, or the
-tensor-core math? (bench/NOTES.md, expert MLP entry 22: the GEMMs run at the H100's power cap.)
+tensor-core math? (docs/design.md, section 8: the GEMMs run at the H100's power cap.)
 
 On the up-projection shape of each gpt-oss config (x (R, D) @ w_up (E, D, 2F), balanced routing,
 no epilogue), runs back to back for ~1.5 s each, with nvidia-smi sampling clock and power:

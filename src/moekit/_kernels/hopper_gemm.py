@@ -17,7 +17,7 @@ All three run Hopper's warp-specialized schedule:
   asynchronous TMA store that overlaps the next tile's main loop, and computes SwiGLU from the
   staged tile.
 
-Measured alternatives (bench/NOTES.md): a ping-pong schedule (two consumers taking turns on
+Measured alternatives (docs/design.md, section 5): a ping-pong schedule (two consumers taking turns on
 128 x 128 tiles) needs twice the shared-memory and L2 traffic per FLOP and ran at 500-530 TF/s
 against 690 for this one; a separate epilogue warpgroup does not fit, since four warpgroups leave
 128 registers per thread at launch and the 64 x 256 wgmma needs 154.
@@ -34,7 +34,7 @@ Epilogues (``EPILOGUE``):
   consumer partition and a runtime loop over the halves keep the long elementwise epilogue in the
   instruction cache once. It is correct and bit-equal to the plain dgrad plus the pass, and slower
   than them on an H100 (4.15 against 3.54 ms at gpt-oss-20b): its epilogue cannot overlap the
-  tensor cores in this schedule (bench/NOTES.md, expert MLP entries 15 and 20).
+  tensor cores in this schedule (docs/design.md, section 5.6).
 
 Interleaved pairs are read as int32 words (gate in the low half, linear in the high half), so that
 the SwiGLU never needs a stride-2 access or a layout shuffle.
@@ -394,7 +394,7 @@ def _dswiglu_half(words, dh, aux_ready, aux_empty, c_ptr, stride_c, out2_ptr, st
     and h = SwiGLU(aux) into out2_ptr, column N of h set to 1 (a ones column when N2 > N). Both are
     stored straight from the accumulator's layout (8-byte d_aux and 4-byte h stores per thread),
     rows >= end (the next group's) masked. (Staging d_aux over the aux words and h after it for TMA
-    stores serialized the buffer and was slower: bench/NOTES.md.)"""
+    stores serialized the buffer and was slower: docs/design.md, section 11.)"""
     layout: gl.constexpr = dh.type.layout
     mbarrier.wait(aux_ready, half_j)
     w = words.load(layout)
