@@ -168,6 +168,7 @@ def _child(args: argparse.Namespace) -> None:
     step()
     torch.cuda.synchronize()
     compile_s = time.perf_counter() - t0
+    print(f"first call (compile and autotune) {compile_s:.1f} s", file=sys.stderr, flush=True)
     while args.wait_for and not os.path.exists(args.wait_for):
         time.sleep(0.5)
 
