@@ -104,8 +104,6 @@ def test_warp_specialized_dswiglu_dgrad(monkeypatch, w_layout, f, ones_col):
     bit. Empty experts, a group of one row, rows past offs[-1] (aux NaN there), clamp-heavy aux."""
     if not config.use_warp_specialized(torch.device(DEV)):
         pytest.skip("needs an sm_90 GPU with Gluon")
-    fused = moekit.options(fused_dswiglu=True)  # opt-in
-    fused.__enter__()
     counts = [700, 0, 1, 1300, 255, 0, 2048, 33]
     offs = offs_from_counts(counts, device=DEV)
     m, d, e = sum(counts) + 40, 960, len(counts)
@@ -118,10 +116,8 @@ def test_warp_specialized_dswiglu_dgrad(monkeypatch, w_layout, f, ones_col):
     epilogues = []
     launch = experts.ws_gemm
     monkeypatch.setattr(experts, "ws_gemm", lambda *a, **k: epilogues.append(k.get("epilogue")) or launch(*a, **k))
-    try:
+    with moekit.options(fused_dswiglu=True):  # opt-in
         d_aux, h = experts.grouped_mm_dswiglu(grad, w, offs, aux, spec, ones_col=ones_col)
-    finally:
-        fused.__exit__(None, None, None)
     assert epilogues == [Epilogue.DSWIGLU], epilogues
     dh = grouped_gemm.grouped_mm_fwd(grad, w.mT, offs)
     want_aux, want_h = experts.swiglu_bwd(aux, dh, spec, with_h=True, ones_col=ones_col)
