@@ -57,7 +57,7 @@ def plot(tables: dict[str, str], path: str) -> None:
         ax.set_xticks(range(len(shapes)), shapes, fontsize=7, rotation=30, ha="right")
         ax.set_ylabel("TF/s (fwd + bwd)")
         ax.set_title(title)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
