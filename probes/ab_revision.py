@@ -1,14 +1,14 @@
-"""Paired A/B of the warp-specialized GEMMs (``grouped_gemm.ws_gemm``, and ``_ragged_k`` for the weight
+"""Paired A/B of the warp-specialized GEMMs (``hopper.ws_gemm``, and ``_ragged_k`` for the weight
 gradients): an older revision of the package against the working tree, in one process, on the gpt-oss
 problems.
 
-Setup (here, before the device call, which carries untracked files along)::
+Setup (on the machine that builds the working tree, before copying it to the GPU)::
 
     rm -rf abtest && mkdir abtest && git archive REV src/moekit | tar -x -C abtest
     mv abtest/src/moekit abtest/moekit_old && rm -r abtest/src
     sed -i 's/"moekit::/"moekit_old::/g' abtest/moekit_old/*.py   # its custom ops get their own namespace
 
-Then ``python benchmarks/ab_revision.py gpt-oss-20b:dH gpt-oss-120b:up ...`` (problems: down, dH, dX,
+Then ``python probes/ab_revision.py gpt-oss-20b:dH gpt-oss-120b:up ...`` (problems: down, dH, dX,
 up, and the weight gradients dWdown (with db_down's ones row) and dWup (with db_up where D % 128 == 64)).
 Each round times every variant for 30 ms in a rotating order; the table gives each variant's median
 time and its median ratio to the old revision over the rounds' pairs, with the quartiles.
@@ -25,6 +25,7 @@ sys.path.insert(0, "abtest")
 import moekit_old.grouped_gemm as old  # noqa: E402
 
 import moekit.grouped_gemm as new  # noqa: E402
+from moekit._kernels.hopper_modes import Epilogue  # noqa: E402
 from moekit.bench import SHAPES, environment, paired_ratios  # noqa: E402
 from moekit.epilogue import SwiGLU  # noqa: E402
 from moekit.testing import offs_from_counts, routed_counts  # noqa: E402
@@ -71,7 +72,7 @@ def _problem(name, label):
         return offs, randn(m, d), randn(m, 2 * f), None, dict(colsum=True)
     if label == "up":  # x @ w_up + b_up with the SwiGLU epilogue
         return (offs, randn(m, d), randn(e, 2 * f, d, scale=d**-0.5).mT, 2 * f,
-                dict(bias=randn(e, 2 * f), epilogue=new.WS_SWIGLU, spec=SwiGLU()))
+                dict(bias=randn(e, 2 * f), epilogue=Epilogue.SWIGLU, spec=SwiGLU()))
     raise ValueError(f"unknown problem {label!r}: down, dH, dX or up")
 
 
@@ -93,7 +94,7 @@ def _compare(name, label):
         outs[key] = (torch.empty(a.shape[0], n, device="cuda", dtype=a.dtype),
                      torch.empty(a.shape[0], n // 2, device="cuda", dtype=a.dtype))
         c, h = outs[key]
-        extra = dict(out2=h) if kw.get("epilogue") == new.WS_SWIGLU else {}
+        extra = dict(out2=h) if kw.get("epilogue") == Epilogue.SWIGLU else {}
         return lambda: mod.ws_gemm(a, b, offs, c, **kw, **extra)
 
     fns = {"old": call(old, "old"), "new": call(new, "new")}
@@ -102,7 +103,7 @@ def _compare(name, label):
         fn()
     torch.cuda.synchronize()
     diff = max((c.float() - outs["old"][0].float()).abs().max().item() for c, _ in outs.values())
-    if n is None or kw.get("epilogue") == new.WS_SWIGLU:  # also the column sums, or h
+    if n is None or kw.get("epilogue") == Epilogue.SWIGLU:  # also the column sums, or h
         diff = max([diff] + [(s.float() - outs["old"][1].float()).abs().max().item()
                              for _, s in outs.values() if s is not None])
     cells = paired_ratios(fns, "old", rounds=ROUNDS)
