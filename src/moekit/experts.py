@@ -7,9 +7,10 @@ Forward: one grouped GEMM computes ``aux = x @ w_up[g] + b_up[g]`` (M, 2F) and `
 
 Backward (the fused-only contract): the gradient flows through ``aux``, not ``h``. The down-projection
 dgrad computes dH = dOut @ w_down^T, and one pass turns (aux, dH) into d_aux = dSwiGLU(aux) * dH; then
-dW_down = h^T @ dOut, dX = d_aux @ w_up^T, dW_up = x^T @ d_aux. The forward saves ``aux`` and ``h``
-(``config.save_h``); with ``MOEKIT_RECOMPUTE_H=1`` it saves only ``aux``, and the pass also recomputes
-h (the GEMM's own epilogue can do that, opt-in and slower: ``grouped_mm_dswiglu``). The bias
+dW_down = h^T @ dOut, dX = d_aux @ w_up^T, dW_up = x^T @ d_aux (without biases, as (d_aux^T @ x)^T and
+(dOut^T @ h)^T, in the layout of the (E, N, K) parameters behind ``w.mT``: ``grouped_gemm.weight_grad``).
+The forward saves ``aux`` and ``h`` (the ``save_h`` option); with ``save_h=False`` it saves only
+``aux``, and the pass also recomputes h (the GEMM's own epilogue can do that, opt-in and slower: ``grouped_mm_dswiglu``). The bias
 gradients are per-expert column sums. db_up and, from a saved h, db_down come out of their weight
 gradient GEMMs on Hopper when D (resp. F) % 128 == 64: a constant row of ones that the
 warp-specialized kernel multiplies in the empty half of its last row tile. db_down from a recomputed
@@ -418,7 +419,7 @@ def _grouped_mm_downproj_setup(ctx, inputs, output):
     h, w, offs, bias, aux, alpha, limit, linear_offset, layout = inputs
     ctx.spec = (alpha, limit, linear_offset, layout)
     ctx.fused = aux is not None
-    # With aux, the weight gradient takes h saved (config.save_h) or recomputed from aux; h is kept
+    # With aux, the weight gradient takes h saved (the save_h option) or recomputed from aux; h is kept
     # only for a weight that needs a gradient.
     keep_h = ctx.fused and config.save_h() and ctx.needs_input_grad[1]
     ctx.save_for_backward(aux if ctx.fused else h, h if keep_h else None, w, offs, bias)
@@ -527,7 +528,7 @@ def grouped_mm_downproj(
     h (M, F); w_down (E, F, D), e.g. a ``(E, D, F)`` torchtitan weight as ``w.mT``; bias (E, D) or
     None. With ``aux_biased_acc=aux`` from :func:`grouped_mm_swiglu` (and the same SwiGLU settings),
     the backward runs fused: the gradient goes to aux (dSwiGLU(aux) applied to dH), not to h, and the
-    weight gradient takes h as saved (or, with ``MOEKIT_RECOMPUTE_H=1``, recomputed from aux, so
+    weight gradient takes h as saved (or, with the option ``save_h=False``, recomputed from aux, so
     that only aux stays alive). Without it, this is a plain grouped GEMM + bias whose gradient flows
     to ``h``.
     """

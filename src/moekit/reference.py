@@ -45,8 +45,9 @@ def _bounds(offs: torch.Tensor, bound: int) -> list[tuple[int, int]]:
             "moekit: the pure-PyTorch reference reads offs on the host and cannot be traced by torch.compile; "
             "compile on a CUDA device (the kernels are custom ops), or run the reference eagerly"
         )
-    ends = [min(max(int(v), 0), bound) for v in offs.tolist()]
-    starts = [min(max(v, 0), e) for v, e in zip([0] + [int(v) for v in offs.tolist()[:-1]], ends, strict=True)]
+    raw = [int(v) for v in offs.tolist()]
+    ends = [min(max(v, 0), bound) for v in raw]
+    starts = [min(max(v, 0), e) for v, e in zip([0] + raw[:-1], ends, strict=True)]
     return list(zip(starts, ends, strict=True))
 
 
