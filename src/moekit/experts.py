@@ -10,9 +10,10 @@ dgrad computes dH = dOut @ w_down^T, and one pass turns (aux, dH) into d_aux = d
 dW_down = h^T @ dOut, dX = d_aux @ w_up^T, dW_up = x^T @ d_aux (without biases, as (d_aux^T @ x)^T and
 (dOut^T @ h)^T, in the layout of the (E, N, K) parameters behind ``w.mT``: ``grouped_gemm.weight_grad``).
 The forward saves ``aux`` and ``h`` (the ``save_h`` option); with ``save_h=False`` it saves only
-``aux``, and the pass also recomputes h (the GEMM's own epilogue can do that, opt-in and slower: ``grouped_mm_dswiglu``). The bias
-gradients are per-expert column sums. db_up and, from a saved h, db_down come out of their weight
-gradient GEMMs on Hopper when D (resp. F) % 128 == 64: a constant row of ones that the
+``aux``, and the pass also recomputes h (the GEMM's own epilogue can do that, opt-in and slower:
+``grouped_mm_dswiglu``). The bias gradients are per-expert column sums. db_up and, from a saved h,
+db_down come out of their weight gradient GEMMs on Hopper when D (resp. F) % 128 == 64: a constant
+row of ones that the
 warp-specialized kernel multiplies in the empty half of its last row tile. db_down from a recomputed
 h comes out of the dW_down GEMM through a column of ones appended to h. Otherwise a pass sums them.
 
