@@ -13,9 +13,9 @@ The forward saves ``aux`` and ``h`` (the ``save_h`` option); with ``save_h=False
 ``aux``, and the pass also recomputes h (the GEMM's own epilogue can do that, opt-in and slower:
 ``grouped_mm_dswiglu``). The bias gradients are per-expert column sums. db_up and, from a saved h,
 db_down come out of their weight gradient GEMMs on Hopper when D (resp. F) % 128 == 64: a constant
-row of ones that the
-warp-specialized kernel multiplies in the empty half of its last row tile. db_down from a recomputed
-h comes out of the dW_down GEMM through a column of ones appended to h. Otherwise a pass sums them.
+row of ones that the warp-specialized kernel multiplies in the empty half of its last row tile.
+db_down from a recomputed h comes out of the dW_down GEMM through a column of ones appended to h.
+Otherwise a pass sums them.
 
 Reads as: references (``reference.py``) -> kernels (``_kernels/experts.py``) -> launchers
 (``*_fwd`` / ``grouped_mm_dswiglu`` / ``grouped_colsum``) -> custom ops with fakes and autograd ->
