@@ -10,6 +10,7 @@ Expert-sorted rows are split into groups by ``offs`` (E,) int32: cumulative row 
 device and are never read by the host.
 """
 
+from . import nvfp4
 from .config import Options, TileConfig, get_options, options, set_options
 from .epilogue import SwiGLU
 from .experts import grouped_mm_downproj, grouped_mm_swiglu, swiglu
@@ -38,6 +39,7 @@ __all__ = [
     "grouped_mm_ref",
     "grouped_mm_swiglu",
     "grouped_mm_swiglu_ref",
+    "nvfp4",
     "options",
     "routing_metadata",
     "routing_metadata_ref",
