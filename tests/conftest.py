@@ -43,6 +43,11 @@ from moekit import config  # noqa: E402
 HAS_CUDA = torch.cuda.is_available()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--fuzz-cases", type=int, default=None, help="random cases per fuzz test (test_fuzz.py)")
+    parser.addoption("--fuzz-seed", type=int, default=0, help="the first fuzz case's seed")
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_cpu = pytest.mark.skip(reason="CPU suite: runs the kernels under TRITON_INTERPRET=1 on a CPU-only machine")

@@ -154,3 +154,22 @@ def test_weight_gradients_arrive_in_the_parameter_layout(interpreter):
     w1, w2 = moe.experts.mlp1_weight_EGD, moe.experts.mlp2_weight_EDF
     g1, g2 = torch.autograd.grad(moe(torch.randn(20, 32).to(BF16)).float().sum(), [w1, w2])
     assert g1.is_contiguous() and g2.is_contiguous() and not g1.isnan().any() and not g2.isnan().any()
+
+
+@pytest.mark.parametrize("mutate, error, match", [
+    pytest.param(lambda y, w, r: (y[None], w, r), ValueError, "y \\(R, D\\)", id="y-3d"),
+    pytest.param(lambda y, w, r: (y, w[:, :1], r), ValueError, "weights \\(T, K\\)", id="weights-shape"),
+    pytest.param(lambda y, w, r: (y, w, r.long()), TypeError, "row_of int32", id="row-of-int64"),
+    pytest.param(lambda y, w, r: (y, w.to("meta"), r), ValueError, "one device", id="devices"),
+])
+def test_combine_rejects_bad_inputs(mutate, error, match):
+    y, w, r = torch.randn(8, 16).to(BF16), torch.rand(4, 2), torch.arange(8, dtype=torch.int32).view(4, 2)
+    with pytest.raises(error, match=match):
+        combine(*mutate(y, w, r))
+
+
+def test_combine_reads_a_transposed_row_of(interpreter):
+    """row_of may be any (T, K) view: the kernel indexes it densely, so the op hands it over contiguous."""
+    y, w = torch.randn(12, 16).to(BF16), torch.rand(6, 2)
+    row_of = torch.randperm(12, dtype=torch.int32).view(2, 6).mT  # (6, 2), not contiguous
+    assert torch.equal(combine(y, w, row_of), combine_ref(y, w, row_of))

@@ -353,11 +353,20 @@ def routing_metadata(experts: torch.Tensor, num_experts: int):
 def combine(y: torch.Tensor, weights: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
     """out[t] = sum_k weights[t, k] * y[row_of[t, k]], accumulated in fp32, returned in y.dtype.
 
-    y (R, D) expert outputs in expert-sorted order; weights (T, K) fp32; row_of (T, K) int32.
+    y (R, D) expert outputs in expert-sorted order; weights (T, K) float (used in fp32); row_of (T, K)
+    int32 rows of y, each in [0, R) (not checked on the device: a row outside reads out of bounds).
     Deterministic forward and backward (gradients to y and weights)."""
+    if y.dim() != 2 or row_of.dim() != 2 or weights.shape != row_of.shape:
+        raise ValueError(f"combine: y (R, D), weights (T, K) and row_of (T, K), got {tuple(y.shape)}, "
+                         f"{tuple(weights.shape)} and {tuple(row_of.shape)}")
+    if row_of.dtype != torch.int32 or not weights.is_floating_point() or not y.is_floating_point():
+        raise TypeError(f"combine: y and weights must be floating point and row_of int32, got {y.dtype}, "
+                        f"{weights.dtype} and {row_of.dtype}")
+    if len({y.device, weights.device, row_of.device}) != 1:
+        raise ValueError("combine: y, weights and row_of must be on one device")
     if not config.uses_triton(y.device):
         return combine_ref(y, weights, row_of)
-    return _combine_op(y.contiguous(), weights.float().contiguous(), row_of)
+    return _combine_op(y.contiguous(), weights.float().contiguous(), row_of.contiguous())
 
 
 def gather_rows(x: torch.Tensor, routing: Routing) -> torch.Tensor:
