@@ -67,8 +67,10 @@ def _run_child(cmd: list[str], timeout_s: float) -> dict:
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        return {"status": f"timeout after {timeout_s:g} s"}
+        _, stderr = _kill_group(proc)
+        last = [line.strip() for line in (stderr or "").splitlines() if line.strip()]
+        seen = f" (its last line: {last[-1][:80].replace('|', '/')})" if last else " (it printed nothing)"
+        return {"status": f"timeout after {timeout_s:g} s{seen}"}
     except BaseException:  # e.g. Ctrl-C in the parent: do not leave a GPU-holding orphan behind
         _kill_group(proc)
         raise
@@ -78,15 +80,17 @@ def _run_child(cmd: list[str], timeout_s: float) -> dict:
     return result
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_group(proc: subprocess.Popen) -> tuple[str, str]:
+    """Kill the child's process group; return what it had printed (stdout, stderr)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass  # already gone
     try:
-        proc.communicate(timeout=10)  # reap it and drain the pipes
+        return proc.communicate(timeout=10)  # reap it and drain the pipes
     except subprocess.TimeoutExpired:  # a grandchild that left the group still holds a pipe
         proc.wait()
+        return "", ""
 
 
 def _parse_result(stdout: str) -> dict | None:

@@ -1,0 +1,36 @@
+"""The benchmark's plumbing on CPU: the SonicMoE child-process runner (result, timeout, error) and the
+CPU tables, which carry no speed ratios."""
+
+import sys
+
+import pytest
+import torch
+
+import moekit
+from moekit.bench import CPU_SHAPES, sonic
+from moekit.bench import moe as bench_moe
+
+
+def _child(code: str, timeout_s: float = 20.0) -> dict:
+    return sonic._run_child([sys.executable, "-c", code], timeout_s)
+
+
+def test_sonic_child_result_timeout_and_error():
+    ok = _child(f"print('noise'); print({sonic.MARKER!r} + '{{\"status\": \"ok\", \"fwd\": 1.5}}')")
+    assert ok == {"status": "ok", "fwd": 1.5}
+    hung = _child("import sys, time; print('compiling | kernel 3', file=sys.stderr, flush=True); time.sleep(60)", 1)
+    assert hung["status"] == "timeout after 1 s (its last line: compiling / kernel 3)"
+    assert _child("import time; time.sleep(60)", 1)["status"] == "timeout after 1 s (it printed nothing)"
+    failed = _child("raise ValueError('bad shape')")
+    assert failed["status"].startswith("error: ValueError: bad shape")
+    assert _child("print('no result line')")["status"] == "error: exit code 0, no result line"
+
+
+def test_cpu_block_table_has_no_ratios(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("describes a CPU-only machine")
+    with moekit.options(reference=True):  # the CPU bench's path without TRITON_INTERPRET
+        text = bench_moe.main(list(CPU_SHAPES.values()), out_md=str(tmp_path / "moe.md"))
+    assert "CPU: moekit runs its pure-PyTorch reference" in text and "moekit (reference)" in text
+    assert "nan" not in text and "TF/s" not in text and "x |" not in text
+    assert (tmp_path / "moe.md").read_text().strip() == text.strip()
