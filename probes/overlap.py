@@ -1,5 +1,5 @@
 """Can the SwiGLU backward pass run beside a weight-gradient GEMM? With h saved from the forward,
-dW_down = h^T @ dOut no longer waits for the pass (aux, dH) -> d_aux, so the two could share the GPU:
+dW_down = h^T @ dOut does not wait for the pass (aux, dH) -> d_aux, so the two could share the GPU:
 the persistent GEMM on all but S SMs, the bandwidth-bound pass on a second stream, filling the S SMs
 the GEMM leaves free (and all of them once the GEMM is done). Times, per gpt-oss shape, the two one
 after the other against the two side by side for several S, in paired rounds (ratios to sequential).
