@@ -77,3 +77,76 @@ def _fp32(experts):
     m = GptOssExperts(experts.dim, experts.hidden_dim, experts.num_experts, dtype=torch.float32, device=DEV)
     m.load_state_dict({k: v.float() for k, v in experts.state_dict().items()})
     return m
+
+
+# transformers' experts interface: one tiny experts module per family, (module, config class, keywords)
+HF_FAMILIES = {
+    "qwen3-moe": ("qwen3_moe", "Qwen3MoeExperts", "Qwen3MoeConfig",
+                  dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)),
+    "mixtral": ("mixtral", "MixtralExperts", "MixtralConfig",
+                dict(hidden_size=64, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)),
+    "gpt-oss": ("gpt_oss", "GptOssExperts", "GptOssConfig",
+                dict(hidden_size=64, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)),
+}
+
+
+def _hf_family(name, dtype, impl):
+    import copy
+    import importlib
+
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers.integrations.moe")
+    module_name, cls_name, cfg_name, kw = HF_FAMILIES[name]
+    modeling = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+    torch.manual_seed(13)
+    experts = getattr(modeling, cls_name)(getattr(transformers, cfg_name)(**kw))
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.1)
+    experts = experts.to(device=DEV, dtype=dtype)
+    experts.config = copy.copy(experts.config)  # each copy selects its own implementation
+    experts.config._experts_implementation = impl
+    return experts
+
+
+def _routing(t, e, k):
+    ids = torch.rand(t, e, device=DEV).topk(k, dim=1).indices
+    return ids, torch.rand(t, k, device=DEV).softmax(-1)
+
+
+@pytest.mark.parametrize("family", list(HF_FAMILIES))
+@pytest.mark.parametrize("reference", [False, True], ids=["kernels", "reference"])
+def test_hf_experts_interface(interpreter, family, reference):
+    """moekit as transformers' experts implementation: outputs and gradients against the family's own
+    eager experts in float64, held to the eager experts' own bf16 error."""
+    import moekit
+    from moekit.integrations import register_hf_experts
+
+    name = register_hf_experts()
+    ids, weights = _routing(40, 8, 2)
+    x = (torch.randn(40, 64, device=DEV) * 2).to(BF16)
+    dy = torch.randn(40, 64, device=DEV).to(BF16)
+    runs = []
+    for dtype, impl in ((BF16, name), (BF16, "eager"), (torch.float64, "eager")):
+        experts = _hf_family(family, dtype, impl)
+        xx = x.detach().to(dtype).clone().requires_grad_()
+        with moekit.options(reference=reference):
+            out = experts(xx, ids, weights.to(dtype))
+            out.backward(dy.to(dtype))
+        runs.append([out, xx.grad, experts.gate_up_proj.grad, experts.down_proj.grad])
+    for what, got, base, oracle in zip(("out", "dx", "dgate_up", "ddown"), *runs, strict=True):
+        assert_within_baseline(got, oracle, base, what=f"{family} {what}")
+
+
+def test_hf_experts_interface_ignores_expert_parallel_sentinels(interpreter):
+    """Ids equal to E (not on this rank) contribute nothing, as in transformers' own implementations."""
+    from moekit.integrations import register_hf_experts
+
+    name = register_hf_experts()
+    ids, weights = _routing(24, 8, 2)
+    ids[::3, 1] = 8
+    mine, eager = _hf_family("qwen3-moe", BF16, name), _hf_family("qwen3-moe", torch.float64, "eager")
+    x = torch.randn(24, 64, device=DEV).to(BF16)
+    got = mine(x, ids, weights.to(BF16))
+    want = eager(x.double(), ids, weights.double())
+    assert (got.double() - want).norm() / want.norm() < 2e-2

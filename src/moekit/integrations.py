@@ -1,6 +1,10 @@
 """Drop moekit into existing models, sharing their parameters (no copies, same state dicts).
 
-* Hugging Face transformers' gpt-oss: :func:`patch_hf_gpt_oss` swaps every ``GptOssExperts`` (the
+* Hugging Face transformers, every MoE family whose experts use transformers' experts interface (Qwen2/3
+  MoE, Mixtral, OLMoE, DeepSeek, gpt-oss, ...): :func:`register_hf_experts` registers moekit as the
+  experts implementation ``"moekit"``; load or configure the model with
+  ``experts_implementation="moekit"`` (``model.config._experts_implementation``).
+* Hugging Face transformers' gpt-oss, module swap: :func:`patch_hf_gpt_oss` swaps every ``GptOssExperts`` (the
   per-expert Python loop) for :class:`HFGptOssExperts`, which keeps the same parameters
   (``gate_up_proj`` (E, D, 2F) with interleaved gate/up columns, ``gate_up_proj_bias``,
   ``down_proj`` (E, F, D), ``down_proj_bias``) and the same ``forward(hidden_states,
@@ -11,11 +15,92 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .experts import grouped_mm_downproj, grouped_mm_swiglu
-from .layers import GptOssExperts
+from .layers import ACTIVATIONS, GptOssExperts
 from .routing import combine, routing_metadata
+
+HF_EXPERTS_IMPLEMENTATION = "moekit"
+
+
+def _is_silu(act) -> bool:
+    """Whether ``act`` computes SiLU (transformers wraps it in classes of its own), probed on the CPU."""
+    probe = torch.linspace(-8.0, 8.0, 33)
+    try:
+        return torch.allclose(act(probe), torch.nn.functional.silu(probe))
+    except Exception:  # noqa: BLE001 - not an elementwise activation of one tensor
+        return False
+
+
+def _hf_swiglu(module: nn.Module) -> dict:
+    """The SwiGLU keywords of a transformers experts module: gpt-oss's (``alpha``, ``limit``, ``+1``) or
+    the plain ``silu(gate) * up`` of the default gate; anything else is not a moekit epilogue. Worked
+    out once per module."""
+    kw = getattr(module, "_moekit_swiglu", None)
+    if kw is not None:
+        return kw
+    layout = "halves" if getattr(module, "is_concatenated", True) else "interleaved"
+    from transformers.integrations.moe import _default_apply_gate
+
+    if hasattr(module, "alpha") and hasattr(module, "limit"):  # gpt-oss's own _apply_gate
+        kw = dict(swiglu_alpha=float(module.alpha), swiglu_limit=float(module.limit), swiglu_linear_offset=1.0)
+    elif type(module)._apply_gate is _default_apply_gate and _is_silu(getattr(module, "act_fn", None)):
+        kw = dict(ACTIVATIONS["swiglu"])
+    else:
+        raise NotImplementedError(
+            f"moekit: {type(module).__name__}'s activation is neither SiLU-gated nor gpt-oss's SwiGLU; "
+            "use another experts implementation for it"
+        )
+    module._moekit_swiglu = kw = {**kw, "gate_up_layout": layout}
+    return kw
+
+
+def hf_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts interface on moekit's kernels: hidden_states (T, D) bf16/fp16, top_k_index
+    (T, K) expert ids, top_k_weights (T, K) (or dense (T, E) scores) -> (T, D), the weighted sum of each
+    token's K experts.
+
+    The module's ``gate_up_proj`` ((E, 2F, D), or (E, D, 2F) when ``is_transposed``; gate/up as halves
+    or interleaved per ``is_concatenated``), ``down_proj`` and optional biases are read in place, through
+    ``.mT`` views where needed. Ids equal to E (expert parallelism's "not on this rank") contribute
+    nothing: their rows go to expert 0 with weight 0. No host sync."""
+    if getattr(module, "has_gate", True) is False or getattr(module, "has_post_expert_norm", False):
+        raise NotImplementedError("moekit: experts without a gate, or with a post-expert norm, are not supported")
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"moekit: the experts run in bf16 or fp16, got hidden states in {x.dtype}")
+    kw = _hf_swiglu(module)
+    e = module.num_experts
+    ids = top_k_index.reshape(x.shape[0], -1)
+    valid = ids < e
+    ids = torch.where(valid, ids, torch.zeros_like(ids))
+    weights = top_k_weights.reshape(ids.shape[0], -1).float()
+    if weights.shape[1] != ids.shape[1]:  # dense (T, E) scores: take each token's chosen ones
+        weights = weights.gather(1, ids.long())
+    weights = torch.where(valid, weights, 0.0)
+    counts, offs, token_idx, row_of = routing_metadata(ids, e)
+    w_up, w_down = module.gate_up_proj.to(x.dtype), module.down_proj.to(x.dtype)
+    if not getattr(module, "is_transposed", False):  # (E, 2F, D) and (E, D, F): read as (E, D, 2F), (E, F, D)
+        w_up, w_down = w_up.mT, w_down.mT
+    b_up = getattr(module, "gate_up_proj_bias", None) if getattr(module, "has_bias", False) else None
+    b_down = getattr(module, "down_proj_bias", None) if getattr(module, "has_bias", False) else None
+    h, aux = grouped_mm_swiglu(x, w_up, offs, bias=b_up, token_idx=token_idx, row_of=row_of, **kw)
+    ys = grouped_mm_downproj(h, w_down, offs, bias=b_down, aux_biased_acc=aux, **kw)
+    return combine(ys, weights, row_of).reshape(hidden_states.shape)
+
+
+def register_hf_experts() -> str:
+    """Register moekit in transformers' experts interface; returns the name to select it with
+    (``experts_implementation="moekit"``). Needs a transformers with ``integrations.moe``."""
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError as err:
+        raise ImportError("moekit: this transformers has no experts interface (transformers.integrations.moe)") from err
+    ExpertsInterface.register(HF_EXPERTS_IMPLEMENTATION, hf_experts_forward)
+    return HF_EXPERTS_IMPLEMENTATION
 
 
 class HFGptOssExperts(nn.Module):
@@ -78,4 +163,4 @@ def patch_torchtitan(model: nn.Module) -> int:
     return _swap(model, "GptOssGroupedExperts", build)
 
 
-__all__ = ["HFGptOssExperts", "patch_hf_gpt_oss", "patch_torchtitan"]
+__all__ = ["HFGptOssExperts", "hf_experts_forward", "patch_hf_gpt_oss", "patch_torchtitan", "register_hf_experts"]
