@@ -150,3 +150,25 @@ def test_hf_experts_interface_ignores_expert_parallel_sentinels(interpreter):
     got = mine(x, ids, weights.to(BF16))
     want = eager(x.double(), ids, weights.double())
     assert (got.double() - want).norm() / want.norm() < 2e-2
+
+
+def test_hf_model_loads_with_moekit_experts():
+    """A whole transformers model built with experts_implementation="moekit": the same loss as eager."""
+    import moekit
+    from moekit.integrations import register_hf_experts
+
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers.integrations.moe")
+    name = register_hf_experts()
+    cfg = transformers.Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=128, vocab_size=100, head_dim=16)
+    torch.manual_seed(0)
+    models = [transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation=impl, dtype=BF16).to(DEV)
+              for impl in (name, "eager")]
+    models[1].load_state_dict(models[0].state_dict())
+    assert models[0].config._experts_implementation == name
+    ids = torch.randint(0, 100, (2, 12), device=DEV)
+    with moekit.options(reference=not torch.cuda.is_available()):  # the interpreter would take minutes here
+        losses = [float(m(ids, labels=ids).loss) for m in models]
+    assert abs(losses[0] - losses[1]) < 2e-2 * abs(losses[1])
