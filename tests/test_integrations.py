@@ -154,6 +154,8 @@ def test_hf_experts_interface_ignores_expert_parallel_sentinels(interpreter):
 
 def test_hf_model_loads_with_moekit_experts():
     """A whole transformers model built with experts_implementation="moekit": the same loss as eager."""
+    import copy
+
     import moekit
     from moekit.integrations import register_hf_experts
 
@@ -164,8 +166,8 @@ def test_hf_model_loads_with_moekit_experts():
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                       intermediate_size=128, vocab_size=100, head_dim=16)
     torch.manual_seed(0)
-    models = [transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation=impl, dtype=BF16).to(DEV)
-              for impl in (name, "eager")]
+    models = [transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), experts_implementation=impl,
+                                                            dtype=BF16).to(DEV) for impl in (name, "eager")]
     models[1].load_state_dict(models[0].state_dict())
     assert models[0].config._experts_implementation == name
     ids = torch.randint(0, 100, (2, 12), device=DEV)
