@@ -173,3 +173,25 @@ def test_combine_reads_a_transposed_row_of(interpreter):
     y, w = torch.randn(12, 16).to(BF16), torch.rand(6, 2)
     row_of = torch.randperm(12, dtype=torch.int32).view(2, 6).mT  # (6, 2), not contiguous
     assert torch.equal(combine(y, w, row_of), combine_ref(y, w, row_of))
+
+
+@pytest.mark.parametrize("reference", [False, True], ids=["kernels", "reference"])
+def test_routing_metadata_drops_ids_outside_the_experts(interpreter, reference):
+    """Ids outside [0, E) (the expert-parallel sentinel E, or bad ids) are counted nowhere and sorted
+    after every expert's rows: past offs[-1], where nothing is computed; no write leaves the outputs."""
+    import moekit
+    from moekit import routing_metadata
+
+    e = 6
+    ids = torch.randint(0, e, (50, 3), dtype=torch.int32)
+    ids[::4, 0] = e
+    ids[1::7, 2] = -1
+    ids[2::9, 1] = 1000
+    bad = (ids < 0) | (ids >= e)
+    with moekit.options(reference=reference):
+        counts, offs, token_idx, row_of = routing_metadata(ids, e)
+    want = torch.bincount(ids[~bad].long(), minlength=e)
+    assert counts.tolist() == want.tolist() and offs.tolist() == want.cumsum(0).tolist()
+    assert (row_of[bad] >= offs[-1]).all() and (row_of[~bad] < offs[-1]).all()
+    assert sorted(row_of.flatten().tolist()) == list(range(150))  # a permutation: every row written once
+    assert torch.equal(token_idx[row_of.flatten().long()], torch.arange(150, dtype=torch.int32) // 3)

@@ -66,7 +66,7 @@ def hf_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_ind
     The module's ``gate_up_proj`` ((E, 2F, D), or (E, D, 2F) when ``is_transposed``; gate/up as halves
     or interleaved per ``is_concatenated``), ``down_proj`` and optional biases are read in place, through
     ``.mT`` views where needed. Ids equal to E (expert parallelism's "not on this rank") contribute
-    nothing: their rows go to expert 0 with weight 0. No host sync."""
+    nothing and cost no GEMM work (``routing_metadata`` drops them). No host sync."""
     if getattr(module, "has_gate", True) is False or getattr(module, "has_post_expert_norm", False):
         raise NotImplementedError("moekit: experts without a gate, or with a post-expert norm, are not supported")
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
@@ -75,13 +75,10 @@ def hf_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_ind
     kw = _hf_swiglu(module)
     e = module.num_experts
     ids = top_k_index.reshape(x.shape[0], -1)
-    valid = ids < e
-    ids = torch.where(valid, ids, torch.zeros_like(ids))
     weights = top_k_weights.reshape(ids.shape[0], -1).float()
     if weights.shape[1] != ids.shape[1]:  # dense (T, E) scores: take each token's chosen ones
-        weights = weights.gather(1, ids.long())
-    weights = torch.where(valid, weights, 0.0)
-    counts, offs, token_idx, row_of = routing_metadata(ids, e)
+        weights = weights.gather(1, ids.long().clamp(0, e - 1))
+    counts, offs, token_idx, row_of = routing_metadata(ids, e)  # drops sentinel ids (= E)
     w_up, w_down = module.gate_up_proj.to(x.dtype), module.down_proj.to(x.dtype)
     if not getattr(module, "is_transposed", False):  # (E, 2F, D) and (E, D, F): read as (E, D, 2F), (E, F, D)
         w_up, w_down = w_up.mT, w_down.mT

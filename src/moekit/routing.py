@@ -270,7 +270,7 @@ def topk_router(
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
     experts = experts.to(torch.int32)
-    counts, offs, token_idx, row_of = routing_metadata(experts, num_experts)
+    counts, offs, token_idx, row_of = _metadata(experts, num_experts)  # topk's ids are all in range
     loss = None
     if aux_loss:
         frac = counts.float() / max(experts.numel(), 1)
@@ -343,11 +343,23 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
 
 
-def routing_metadata(experts: torch.Tensor, num_experts: int):
-    """(counts, offs, token_idx, row_of) for (T, K) expert ids chosen elsewhere (e.g. by a model's own
-    router): the expert-sorted order of a stable argsort, from the Triton kernels where they run."""
+def _metadata(experts: torch.Tensor, num_experts: int):
     meta = _routing_metadata_op if config.uses_triton(experts.device) else routing_metadata_ref
     return meta(experts.to(torch.int32), num_experts)
+
+
+def routing_metadata(experts: torch.Tensor, num_experts: int):
+    """(counts (E,), offs (E,), token_idx (R,), row_of (T, K)), all int32, for (T, K) expert ids chosen
+    elsewhere (e.g. by a model's own router): the expert-sorted order of a stable argsort, from the Triton
+    kernels where they run.
+
+    An id outside [0, E) (expert parallelism's "not on this rank" sentinel E, or a bad id) is dropped
+    without a sync: it is sorted after every expert's rows, past ``offs[-1]``, where the grouped GEMMs
+    compute nothing and output zeros, so it contributes nothing to a combine."""
+    ids = experts.to(torch.int32)
+    ids = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+    counts, offs, token_idx, row_of = _metadata(ids, num_experts + 1)  # the extra group: dropped ids
+    return counts[:num_experts], offs[:num_experts], token_idx, row_of
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
