@@ -34,6 +34,13 @@ def _is_silu(act) -> bool:
         return False
 
 
+def _default_gate(module: nn.Module) -> bool:
+    """Whether the module gates with transformers' default ``act_fn(gate) * up``."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    return getattr(type(module), "_apply_gate", None) is _default_apply_gate
+
+
 def _hf_swiglu(module: nn.Module) -> dict:
     """The SwiGLU keywords of a transformers experts module: gpt-oss's (``alpha``, ``limit``, ``+1``) or
     the plain ``silu(gate) * up`` of the default gate; anything else is not a moekit epilogue. Worked
@@ -42,11 +49,9 @@ def _hf_swiglu(module: nn.Module) -> dict:
     if kw is not None:
         return kw
     layout = "halves" if getattr(module, "is_concatenated", True) else "interleaved"
-    from transformers.integrations.moe import _default_apply_gate
-
     if hasattr(module, "alpha") and hasattr(module, "limit"):  # gpt-oss's own _apply_gate
         kw = dict(swiglu_alpha=float(module.alpha), swiglu_limit=float(module.limit), swiglu_linear_offset=1.0)
-    elif type(module)._apply_gate is _default_apply_gate and _is_silu(getattr(module, "act_fn", None)):
+    elif _default_gate(module) and _is_silu(getattr(module, "act_fn", None)):
         kw = dict(ACTIVATIONS["swiglu"])
     else:
         raise NotImplementedError(
@@ -117,17 +122,11 @@ class HFGptOssExperts(nn.Module):
         self.alpha, self.limit = float(original.alpha), float(original.limit)
         self.num_experts = original.gate_up_proj.shape[0]
 
+    # the layout flags of transformers' experts interface, read by hf_experts_forward
+    is_concatenated, is_transposed, has_bias = False, True, True
+
     def forward(self, hidden_states, router_indices=None, routing_weights=None):
-        x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        counts, offs, token_idx, row_of = routing_metadata(router_indices.reshape(x.shape[0], -1), self.num_experts)
-        w1, w2 = self.gate_up_proj.to(x.dtype), self.down_proj.to(x.dtype)
-        kw = dict(swiglu_alpha=self.alpha, swiglu_limit=self.limit, swiglu_linear_offset=1.0)
-        h, aux = grouped_mm_swiglu(x, w1, offs, bias=self.gate_up_proj_bias, token_idx=token_idx, row_of=row_of, **kw)
-        ys = grouped_mm_downproj(h, w2, offs, bias=self.down_proj_bias, aux_biased_acc=aux, **kw)
-        weights = routing_weights.reshape(x.shape[0], -1)
-        if weights.shape[1] != row_of.shape[1]:  # transformers may pass dense (T, E) scores
-            weights = weights.gather(1, router_indices.reshape(x.shape[0], -1).long())
-        return combine(ys, weights.float(), row_of).reshape(hidden_states.shape)
+        return hf_experts_forward(self, hidden_states, router_indices, routing_weights)
 
 
 def _swap(model: nn.Module, class_name: str, build) -> int:
