@@ -26,6 +26,7 @@ def _ids(t, e, k, *, hot=None):
     [
         pytest.param(37, 8, 2, False, id="odd-t"),  # partial metadata block
         pytest.param(300, 128, 8, False, id="qwen-like"),  # several blocks, E=128
+        pytest.param(700, 128, 8, False, id="scan-loops"),  # more blocks than the scan's row chunk
         pytest.param(1, 4, 4, False, id="t1-k-eq-e"),  # T=1 and K=E
         pytest.param(200, 16, 1, True, id="all-on-one"),  # every token on expert 0; 15 empty experts
         pytest.param(0, 8, 2, False, id="t0"),  # no tokens

@@ -23,6 +23,7 @@ from ._kernels.routing import (
     _combine_kernel,
     _gather_rows_ones_kernel,
     _route_histogram_kernel,
+    _route_scan_kernel,
     _route_scatter_kernel,
 )
 
@@ -78,23 +79,25 @@ def combine_ref(y: torch.Tensor, weights: torch.Tensor | None, row_of: torch.Ten
 
 
 def routing_metadata_fwd(experts: torch.Tensor, num_experts: int):
-    """Triton twin of ``routing_metadata_ref``: two kernels and a few device-side cumsums, no sync."""
+    """Triton twin of ``routing_metadata_ref``: three kernels (histogram, scan, scatter), no sync."""
     t, k = experts.shape
     r = t * k
     dev = experts.device
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
     token_idx = config.empty((r,), dtype=torch.int32, device=dev)
     row_of = config.empty((t, k), dtype=torch.int32, device=dev)
     if r == 0:
-        return counts, counts.clone(), token_idx, row_of
+        zeros = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+        return zeros, zeros.clone(), token_idx, row_of
     flat = experts.reshape(-1).to(torch.int32).contiguous()
     blocks = triton.cdiv(r, _BLOCK)
     block_e = triton.next_power_of_2(num_experts)
     block_counts = config.empty((blocks, num_experts), dtype=torch.int32, device=dev)
     _route_histogram_kernel[(blocks,)](flat, block_counts, r, num_experts, BLOCK=_BLOCK, BLOCK_E=block_e)
-    counts = block_counts.sum(0, dtype=torch.int32)
-    offs = counts.cumsum(0, dtype=torch.int32)
-    block_base = ((offs - counts)[None, :] + block_counts.cumsum(0, dtype=torch.int32) - block_counts).contiguous()
+    counts = config.empty((num_experts,), dtype=torch.int32, device=dev)
+    offs = config.empty((num_experts,), dtype=torch.int32, device=dev)
+    block_base = config.empty((blocks, num_experts), dtype=torch.int32, device=dev)
+    _route_scan_kernel[(1,)](block_counts, counts, offs, block_base, blocks, num_experts,
+                             BLOCK_B=max(1, 4096 // block_e), BLOCK_E=block_e)
     _route_scatter_kernel[(blocks,)](
         flat, block_base, row_of, token_idx, r, num_experts, k, BLOCK=_BLOCK, BLOCK_E=block_e
     )

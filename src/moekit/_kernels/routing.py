@@ -1,6 +1,8 @@
 """Routing metadata and the weighted combine, all deterministic (no atomics).
 
 * ``_route_histogram_kernel``: per block of routed entries, how many go to each expert.
+* ``_route_scan_kernel``: one program turns the per-block counts into per-expert ``counts`` and ``offs``
+  and each block's first sorted row per expert (an exclusive scan down the blocks).
 * ``_route_scatter_kernel``: each entry's row in the expert-sorted order, i.e. the position a stable
   argsort of the flattened expert ids would give it, and the token of every sorted row.
 * ``_combine_kernel``: out[t] = sum_k w[t, k] * y[row_of[t, k]] in fp32 (gather-reduce).
@@ -30,6 +32,33 @@ def _route_histogram_kernel(
     counts = tl.sum(_one_hot(ids, BLOCK_E), 0)
     cols = tl.arange(0, BLOCK_E)
     tl.store(block_counts + b * E + cols, counts, mask=cols < E)
+
+
+@triton.jit
+def _route_scan_kernel(
+    block_counts, counts, offs, block_base, NB, E,  # block_counts, block_base (NB, E); counts, offs (E,)
+    BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    # A single program: the table is small (R / 128 rows of E int32), and one pass over it in one CTA
+    # costs a few microseconds, where torch's cumsum down the rows of the table took 0.13-0.18 ms.
+    cols = tl.arange(0, BLOCK_E)
+    col_ok = cols < E
+    total = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for b0 in range(0, NB, BLOCK_B):
+        rows = b0 + tl.arange(0, BLOCK_B)
+        mask = (rows[:, None] < NB) & col_ok[None, :]
+        total += tl.sum(tl.load(block_counts + rows[:, None] * E + cols[None, :], mask=mask, other=0), 0)
+    end = tl.cumsum(total, 0)
+    tl.store(counts + cols, total, mask=col_ok)
+    tl.store(offs + cols, end, mask=col_ok)
+    run = end - total  # the first sorted row of each expert, advanced block by block
+    for b0 in range(0, NB, BLOCK_B):
+        rows = b0 + tl.arange(0, BLOCK_B)
+        mask = (rows[:, None] < NB) & col_ok[None, :]
+        ptrs = rows[:, None] * E + cols[None, :]
+        c = tl.load(block_counts + ptrs, mask=mask, other=0)
+        tl.store(block_base + ptrs, run[None, :] + tl.cumsum(c, 0) - c, mask=mask)
+        run += tl.sum(c, 0)
 
 
 @triton.jit
