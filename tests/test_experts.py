@@ -146,6 +146,36 @@ def test_down_weight_gradient_from_saved_or_recomputed_h(interpreter, save_h):
     assert not leaves[3].grad[1].any() and not leaves[4].grad[1].any()  # the empty expert's
 
 
+@pytest.mark.parametrize("save_h", [True, False], ids=["save-h", "recompute-h"])
+@pytest.mark.parametrize("variant", ["gpt-oss", "plain-silu-halves"])
+def test_row_scale_against_float64(interpreter, save_h, variant):
+    """h = row_scale * SwiGLU(aux): the forward, and the gradients to x, the weights, the biases and the
+    row scales (from the SwiGLU backward pass), against float64. Scales of rows past offs[-1] are NaN
+    and must not leak anywhere."""
+    kw = VARIANTS[variant]
+    x, w1, b1, w2, b2, offs = _expert_inputs([10, 0, 22], 40, 32, 24)
+    scale = torch.rand(40) + 0.25
+    scale[32:] = float("nan")
+    leaves = [_leaf(t) for t in (x, w1, b1, w2, b2, scale)]
+
+    def chain(fns, x, w1, b1, w2, b2, s):
+        h, aux = fns[0](x, w1, offs, bias=b1, row_scale=s, **kw)
+        return h, aux, fns[1](h, w2, offs, bias=b2, aux_biased_acc=aux, row_scale=s, **kw)
+
+    with moekit.options(save_h=save_h):
+        h, aux, out = chain((grouped_mm_swiglu, grouped_mm_downproj), *leaves)
+        dy = torch.randn_like(out)
+        out.backward(dy)
+    assert (h[32:] == 0).all() and (out[32:] == 0).all() and (leaves[5].grad[32:] == 0).all()
+
+    def ref_chain(*ls):
+        return chain((grouped_mm_swiglu_ref, grouped_mm_downproj_ref), *ls)
+
+    grads = [leaf.grad for leaf in leaves]
+    assert_run_within_reference(ref_chain, (x, w1, b1, w2, b2, scale), dy, (h, aux, out), grads,
+                                names=(*NAMES, "d_scale"))
+
+
 @pytest.mark.parametrize("w_down_trained", [True, False], ids=["w-down-trained", "w-down-frozen"])
 def test_h_is_saved_only_for_a_down_weight_gradient(interpreter, w_down_trained):
     """The forward keeps h alive only when dW_down will need it (the ``save_h`` option)."""
@@ -249,6 +279,12 @@ def test_module_matches_torchtitan_baseline(interpreter):
         pytest.param(lambda x, w, o: grouped_mm_swiglu(x, w, o, gate_up_layout="split"), "layout", id="layout"),
         pytest.param(lambda x, w, o: grouped_mm_swiglu(x, w[..., :31], o), "2F", id="odd-2f"),
         pytest.param(lambda x, w, o: grouped_mm_downproj(x, w[:, :, :16].mT, o, aux_biased_acc=x), "aux", id="aux"),
+        pytest.param(lambda x, w, o: grouped_mm_swiglu(x, w, o, row_scale=torch.ones(16).to(BF16)), "row_scale",
+                     id="row-scale-dtype"),
+        pytest.param(lambda x, w, o: grouped_mm_swiglu(x, w, o, row_scale=torch.ones(15)), "row_scale",
+                     id="row-scale-shape"),
+        pytest.param(lambda x, w, o: grouped_mm_downproj(x, w[:, :, :16].mT, o, row_scale=torch.ones(16)),
+                     "aux_biased_acc", id="row-scale-without-aux"),
     ],
 )
 def test_validation(call, match):

@@ -95,6 +95,34 @@ def _forward_backward_against_float64(layout, x_scale, d, f):
     assert not leaves[1].grad[1].any() and not leaves[3].grad[1].any()
 
 
+@pytest.mark.parametrize("layout", ["interleaved", "halves"])
+@pytest.mark.parametrize("save_h", [True, False], ids=["save-h", "recompute-h"])
+def test_row_scale_against_float64(layout, save_h):
+    """h = row_scale * SwiGLU(aux) (the MoE block's weights before the down-projection) at a realistic
+    size: the forward and every gradient, the row scales' included, against float64. Scales of rows
+    past offs[-1] are NaN and must not leak."""
+    counts = routed_counts(2048, 8, 4, skew=3.0).tolist()
+    counts[1] = 0
+    tail = sum(counts)
+    x, w1, _, w2, _, offs = _inputs(counts, tail + 40, 960, 1000)
+    scale = torch.rand(tail + 40, device=DEV) + 0.25
+    scale[tail:] = float("nan")
+    leaves = [_leaf(t) for t in (x, w1, w2, scale)]
+
+    def chain(fns, x, w1, w2, s):
+        h, aux = fns[0](x, w1, offs, row_scale=s, gate_up_layout=layout)
+        return h, aux, fns[1](h, w2, offs, aux_biased_acc=aux, row_scale=s, gate_up_layout=layout)
+
+    with moekit.options(save_h=save_h):
+        h, aux, out = chain((grouped_mm_swiglu, grouped_mm_downproj), *leaves)
+        dy = torch.randn_like(out)
+        out.backward(dy)
+    assert not h[tail:].any() and not out[tail:].any() and not leaves[3].grad[tail:].any()
+    assert_run_within_reference(lambda *ls: chain((grouped_mm_swiglu_ref, grouped_mm_downproj_ref), *ls),
+                                (x, w1, w2, scale), dy, (h, aux, out), [t.grad for t in leaves],
+                                names=("h", "aux", "out", "dx", "dw1", "dw2", "d_scale"))
+
+
 @pytest.mark.parametrize("w_layout", ["EFD", "EDF"], ids=["w-k-major", "w-n-major"])
 @pytest.mark.parametrize("f, ones_col", [(1000, True), (1000, False), (768, False)],
                          ids=["ones-col", "partial-tile", "full-tiles"])
@@ -117,10 +145,10 @@ def test_warp_specialized_dswiglu_dgrad(monkeypatch, w_layout, f, ones_col):
     launch = experts.ws_gemm
     monkeypatch.setattr(experts, "ws_gemm", lambda *a, **k: epilogues.append(k.get("epilogue")) or launch(*a, **k))
     with moekit.options(fused_dswiglu=True):  # opt-in
-        d_aux, h = experts.grouped_mm_dswiglu(grad, w, offs, aux, spec, ones_col=ones_col)
+        d_aux, h, _ = experts.grouped_mm_dswiglu(grad, w, offs, aux, spec, ones_col=ones_col)
     assert epilogues == [Epilogue.DSWIGLU], epilogues
     dh = grouped_gemm.grouped_mm_fwd(grad, w.mT, offs)
-    want_aux, want_h = experts.swiglu_bwd(aux, dh, spec, with_h=True, ones_col=ones_col)
+    want_aux, want_h, _ = experts.swiglu_bwd(aux, dh, spec, with_h=True, ones_col=ones_col)
     assert d_aux.shape == want_aux.shape and h.shape == want_h.shape and h.stride() == want_h.stride()
     assert not d_aux.isnan().any() and not h.isnan().any()
     tail = sum(counts)  # rows of no group: zeros here, whatever the pass made of aux's NaN there
@@ -220,15 +248,21 @@ def test_opcheck():
     # No gradients into _grouped_mm_swiglu_op here: opcheck backpropagates random gradients into every output,
     # h included, which the fused contract rejects by design (test_gradient_through_h_raises). Its
     # autograd is checked against float64 above.
-    torch.library.opcheck(_grouped_mm_swiglu_op, (x, w1, offs, b1, None, None, *spec))
-    h, aux = _grouped_mm_swiglu_op(x, w1, offs, b1, None, None, *spec)
-    torch.library.opcheck(_grouped_mm_downproj_op, (h.detach(), _leaf(w2), offs, _leaf(b2), _leaf(aux), *spec))
+    scale = torch.rand(1024, device=DEV) + 0.5
+    torch.library.opcheck(_grouped_mm_swiglu_op, (x, w1, offs, b1, None, None, None, *spec))
+    torch.library.opcheck(_grouped_mm_swiglu_op, (x, w1, offs, b1, None, None, scale, *spec))
+    h, aux = _grouped_mm_swiglu_op(x, w1, offs, b1, None, None, None, *spec)
+    torch.library.opcheck(_grouped_mm_downproj_op, (h.detach(), _leaf(w2), offs, _leaf(b2), _leaf(aux), None, *spec))
+    torch.library.opcheck(_grouped_mm_downproj_op,
+                          (h.detach(), _leaf(w2), offs, None, _leaf(aux), _leaf(scale), *spec))
     dy = torch.randn(1024, 256, device=DEV, dtype=BF16)
     # h recomputed: db_down in the wgrad (F % 128 != 0), or a column-sum pass
-    torch.library.opcheck(_grouped_mm_downproj_bwd_op, (dy, w2, offs, aux, None, True, True, *spec))
-    torch.library.opcheck(_grouped_mm_downproj_bwd_op, (dy, w2, offs, aux, None, False, True, *spec))
+    torch.library.opcheck(_grouped_mm_downproj_bwd_op, (dy, w2, offs, aux, None, None, True, True, *spec))
+    torch.library.opcheck(_grouped_mm_downproj_bwd_op, (dy, w2, offs, aux, None, None, False, True, *spec))
+    torch.library.opcheck(_grouped_mm_downproj_bwd_op, (dy, w2, offs, aux, None, scale, True, False, *spec))
     # h saved: F = 192 (% 128 == 64) gives db_down in the wgrad (ws)
-    torch.library.opcheck(_grouped_mm_downproj_bwd_op, (dy, w2, offs, aux, h.detach(), True, True, *spec))
+    torch.library.opcheck(_grouped_mm_downproj_bwd_op, (dy, w2, offs, aux, h.detach(), None, True, True, *spec))
+    torch.library.opcheck(_grouped_mm_downproj_bwd_op, (dy, w2, offs, aux, h.detach(), scale, True, False, *spec))
     torch.library.opcheck(_colsum_op, (dy, offs))
     torch.library.opcheck(_wgrad_colsum_op, (x, dy, offs))  # D = 256: sums from a pass
     torch.library.opcheck(_wgrad_colsum_op, (x[:, :192], dy, offs))  # D % 128 == 64: from the GEMM (ws)

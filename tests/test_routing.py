@@ -101,6 +101,34 @@ def test_combine_and_gather_against_float64(interpreter):
     assert_within_baseline(x.grad, want, torch.zeros(t, d).index_add_(0, token_idx.long(), g.float()).to(BF16))
 
 
+def test_plain_combine_and_sorted_weights(interpreter):
+    """combine without weights is a plain sum whose backward copies each token's gradient to its K
+    rows (y is not saved); sorted_weights puts the (T, K) weights in expert-sorted row order."""
+    from moekit import sorted_weights
+
+    t, e, k, d = 29, 8, 3, 40
+    _, _, _, row_of = routing_metadata_fwd(_ids(t, e, k), e)
+    y = torch.randn(t * k, d).to(BF16).requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+        out = combine(y, None, row_of)
+    assert not any(x is y for x in saved)
+    dout = torch.randn(t, d).to(BF16)
+    out.backward(dout)
+    want = y.detach().double()[row_of.long()].sum(1)
+    assert_within_baseline(out, want, combine_ref(y.detach(), None, row_of), what="plain combine")
+    expect = torch.empty_like(y)
+    expect[row_of.flatten().long()] = dout.repeat_interleave(k, 0)
+    assert torch.equal(y.grad, expect)
+
+    w = torch.rand(t, k).requires_grad_()
+    s = sorted_weights(w, row_of)
+    assert torch.equal(s[row_of.long()], w.detach())
+    g = torch.randn(t * k)
+    s.backward(g)
+    assert torch.equal(w.grad, g[row_of.long()])
+
+
 BLOCKS = {  # the gpt-oss block, and the bias-free plain-SwiGLU block of Qwen3 / Mixtral / DeepSeek / OLMoE
     "gpt-oss": {},
     "plain": dict(bias=False, router_bias=False, activation="swiglu"),

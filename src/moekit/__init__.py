@@ -17,7 +17,16 @@ from .experts import grouped_mm_downproj, grouped_mm_swiglu, swiglu
 from .grouped_gemm import grouped_mm
 from .layers import GptOssExperts, GroupedExperts, MoE
 from .reference import grouped_mm_downproj_ref, grouped_mm_ref, grouped_mm_swiglu_ref, swiglu_ref
-from .routing import Routing, combine, combine_ref, gather_rows, routing_metadata, routing_metadata_ref, topk_router
+from .routing import (
+    Routing,
+    combine,
+    combine_ref,
+    gather_rows,
+    routing_metadata,
+    routing_metadata_ref,
+    sorted_weights,
+    topk_router,
+)
 
 __version__ = "0.1.0"
 
@@ -44,6 +53,7 @@ __all__ = [
     "routing_metadata",
     "routing_metadata_ref",
     "set_options",
+    "sorted_weights",
     "swiglu",
     "swiglu_ref",
     "topk_router",

@@ -36,7 +36,7 @@ from .descriptors import TensorDescriptor, row_bounded, tma_ok, weight_descripto
 from .epilogue import SwiGLU
 from .grouped_gemm import _grouped_mm_op, _op_mm, _ragged_k, _ragged_m, grouped_mm_fwd, k_major, weight_grad
 from .hopper import ws_dswiglu_ok, ws_gemm, ws_ok
-from .reference import H_GRADIENT_ERROR, grouped_mm_downproj_ref, grouped_mm_swiglu_ref, swiglu_ref
+from .reference import H_GRADIENT_ERROR, ROW_SCALE_ERROR, grouped_mm_downproj_ref, grouped_mm_swiglu_ref, swiglu_ref
 from .routing import _gather_bwd_op, gather_rows_with_ones
 from .validation import check_layout, matrix_ready
 
@@ -66,10 +66,12 @@ def _tma_views_ok(x, w, tensors) -> bool:
     )
 
 
-def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig | None = None, token_idx=None):
+def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig | None = None, token_idx=None,
+                          row_scale=None):
     """x (M, D), w (E, D, 2F), bias (E, 2F) or None -> (h (M, F), aux (M, 2F)) in x.dtype.
 
-    With ``token_idx`` (R,) int32, x is (T, D) and row r of the GEMM is x[token_idx[r]] (M = R)."""
+    With ``token_idx`` (R,) int32, x is (T, D) and row r of the GEMM is x[token_idx[r]] (M = R). With
+    ``row_scale`` (M,) fp32, h[r] = row_scale[r] * SwiGLU(aux[r]) (on the Triton kernel)."""
     d = x.shape[1]
     m = x.shape[0] if token_idx is None else token_idx.numel()
     e, two_f = w.shape[0], w.shape[2]
@@ -78,7 +80,7 @@ def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig
     h = config.empty((m, f), dtype=x.dtype, device=x.device)
     if m == 0 or f == 0:
         return h, aux
-    if cfg is None and token_idx is None and not spec.halves and ws_ok(x, w, aux, h):
+    if cfg is None and token_idx is None and row_scale is None and not spec.halves and ws_ok(x, w, aux, h):
         ws_gemm(x, w, offs, aux, epilogue=Epilogue.SWIGLU, bias=bias, out2=h, spec=spec)
         return h, aux
     sms = config.num_sms(x.device)
@@ -103,7 +105,7 @@ def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig
         args = (x, w, aux_a, aux_b, h)
     tiles = (triton.cdiv(m, bm) + e + 1) * triton.cdiv(f, bf)
     _grouped_mm_swiglu_kernel[(min(sms * cfg.programs_per_sm, tiles),)](
-        *args, offs, bias, token_idx,
+        *args, offs, bias, token_idx, row_scale,
         m, f, d, e,
         x.stride(0), x.stride(1),
         w.stride(0), w.stride(1), w.stride(2),
@@ -116,12 +118,14 @@ def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig
     return h, aux
 
 
-def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = False):
+def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = False, scale=None):
     """Down-projection dgrad with the SwiGLU backward: grad (M, D) = dOut, w (E, F, D) the down weight,
-    aux (M, 2F) -> (d_aux (M, 2F), h), with dH = grad @ w[g]^T, d_aux = dSwiGLU(aux) * dH and the
+    aux (M, 2F) -> (d_aux (M, 2F), h, dscale), with dH = grad @ w[g]^T, d_aux = dSwiGLU(aux) * dH and the
     recomputed h = SwiGLU(aux) that dW_down needs. h is (M, F); with ``ones_col`` it is a (M, F + 1)
     view of a row-padded buffer whose last column is ones, so that ``h^T @ dOut`` also yields db_down
-    (``_ragged_k(..., ones_row=True)``).
+    (``_ragged_k(..., ones_row=True)``). With ``scale`` (M,) fp32 row scales s (the forward's h was
+    s * SwiGLU(aux)): d_aux = dSwiGLU(aux) * (s * dH), h = s * SwiGLU(aux) and dscale (M,) fp32 =
+    <dH, SwiGLU(aux)> per row; otherwise dscale is None.
 
     By default dH is a grouped GEMM and one bandwidth-bound pass turns (aux, dH) into d_aux and h.
     With ``config.fused_dswiglu()`` on Hopper (interleaved layout, bf16), one warp-specialized GEMM
@@ -133,18 +137,20 @@ def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = Fal
     f = two_f // 2
     w_t = w.mT
     h_cols = triton.cdiv(f + 1, 64) * 64 if ones_col else f  # as swiglu_bwd pads it
-    if config.fused_dswiglu() and not spec.halves and m and f and ws_dswiglu_ok(grad, w_t, aux, h_cols):
+    fused = config.fused_dswiglu() and scale is None and not spec.halves
+    if fused and m and f and ws_dswiglu_ok(grad, w_t, aux, h_cols):
         d_aux = config.empty((m, two_f), dtype=aux.dtype, device=aux.device)
         h = config.empty((m, h_cols), dtype=aux.dtype, device=aux.device)
         ws_gemm(grad, w_t, offs, d_aux, epilogue=Epilogue.DSWIGLU, out2=h, aux=aux, spec=spec)
-        return d_aux, h[:, : f + 1] if ones_col else h
+        return d_aux, h[:, : f + 1] if ones_col else h, None
     dh = grouped_mm_fwd(grad, w_t, offs)
-    return swiglu_bwd(aux, dh, spec, with_h=True, ones_col=ones_col)
+    return swiglu_bwd(aux, dh, spec, with_h=True, ones_col=ones_col, scale=scale)
 
 
-def downproj_bwd(grad, w, offs, aux, spec: SwiGLU, *, need_w: bool, need_b: bool, h=None):
+def downproj_bwd(grad, w, offs, aux, spec: SwiGLU, *, need_w: bool, need_b: bool, h=None, scale=None):
     """Backward of the fused down-projection: grad (M, D), w (E, F, D), aux (M, 2F), h (M, F) saved
-    from the forward or None -> (d_aux (M, 2F), dW_down (E, F, D) or None, db_down (E, D) fp32 or None).
+    from the forward or None, scale (M,) fp32 row scales or None -> (d_aux (M, 2F), dW_down (E, F, D)
+    or None, db_down (E, D) fp32 or None, d_scale (M,) fp32 or None).
 
     Without h, the dSwiGLU pass recomputes it from aux. db_down rides on the dW_down GEMM where F
     leaves that GEMM a partial row tile, where an extra row of ones costs nothing (a ones column
@@ -152,7 +158,7 @@ def downproj_bwd(grad, w, offs, aux, spec: SwiGLU, *, need_w: bool, need_b: bool
     it is a column-sum pass over dOut."""
     f = aux.shape[1] // 2
     if h is not None:
-        d_aux = swiglu_bwd(aux, grouped_mm_fwd(grad, w.mT, offs), spec)
+        d_aux, _, dscale = swiglu_bwd(aux, grouped_mm_fwd(grad, w.mT, offs), spec, scale=scale)
         dw = db = None
         if need_w and need_b:
             dw, db = _ragged_k(h.mT, grad, offs, grad.dtype, None, colsum=True)
@@ -160,9 +166,9 @@ def downproj_bwd(grad, w, offs, aux, spec: SwiGLU, *, need_w: bool, need_b: bool
             dw = weight_grad(h, grad, offs, w, grouped_mm_fwd)
         if need_b and db is None:
             db = grouped_colsum(grad, offs)
-        return d_aux, dw, db
+        return d_aux, dw, db, dscale
     ones = need_w and need_b and config.ones_row_is_free(f)
-    d_aux, h = grouped_mm_dswiglu(grad, w, offs, aux, spec, ones_col=ones)
+    d_aux, h, dscale = grouped_mm_dswiglu(grad, w, offs, aux, spec, ones_col=ones, scale=scale)
     if ones:
         dw, db = _ragged_k(h.mT, grad, offs, grad.dtype, None, ones_row=True)
     else:
@@ -171,7 +177,7 @@ def downproj_bwd(grad, w, offs, aux, spec: SwiGLU, *, need_w: bool, need_b: bool
         else:
             dw = None
         db = grouped_colsum(grad, offs) if need_b else None
-    return d_aux, dw, db
+    return d_aux, dw, db, dscale
 
 
 def grouped_colsum(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -203,24 +209,34 @@ def swiglu_fwd(pre: torch.Tensor, spec: SwiGLU) -> torch.Tensor:
     return h
 
 
-def swiglu_bwd(pre: torch.Tensor, dh: torch.Tensor, spec: SwiGLU, *, with_h: bool = False, ones_col: bool = False):
-    """d(pre) (M, 2F) from pre (M, 2F) and dh (M, F); with ``with_h``, also the recomputed h (M, F),
-    and with ``ones_col`` that h as a (M, F + 1) view whose last column is ones (``grouped_mm_dswiglu``)."""
+def swiglu_bwd(pre: torch.Tensor, dh: torch.Tensor, spec: SwiGLU, *, with_h: bool = False, ones_col: bool = False,
+               scale: torch.Tensor | None = None):
+    """SwiGLU backward pass: pre (M, 2F), dh (M, F) -> (d_pre (M, 2F), h or None, d_scale or None).
+
+    ``with_h``: also the recomputed h (M, F), and with ``ones_col`` that h as a (M, F + 1) view whose
+    last column is ones (``grouped_mm_dswiglu``). ``scale`` (M,) fp32: the forward's h was
+    s * SwiGLU(pre), so d_pre = dSwiGLU(pre) * (s * dh), h = s * SwiGLU(pre), and d_scale (M,) fp32 is
+    <dh, SwiGLU(pre)> per row."""
     m, two_f = pre.shape
     f = two_f // 2
     dpre = config.empty((m, two_f), dtype=pre.dtype, device=pre.device)
+    dscale = None if scale is None else config.empty((m,), dtype=torch.float32, device=pre.device)
     h = h_cols = None
     if with_h:  # a padded row of 64-element multiples keeps the ones column's stores vectorized
         h_cols = triton.cdiv(f + 1, 64) * 64 if ones_col else f
         h = config.empty((m, h_cols), dtype=pre.dtype, device=pre.device)
-    if dpre.numel():
-        grid, blocks = _elementwise_grid(m, h_cols if ones_col else f)
-        _swiglu_bwd_kernel[grid](pre, dh, dpre, h, m, f, pre.stride(0), dh.stride(0), dpre.stride(0),
-                                 h.stride(0) if with_h else 0, h_cols or 0, **spec.constexprs(),
-                                 ONES_COL=ones_col, **blocks)
-    if not with_h:
-        return dpre
-    return dpre, h[:, : f + 1] if ones_col else h
+    if m:
+        block_r, block_f = (16, 16) if config.is_interpreting() else (16, 128)
+        # a row sum (d_scale) needs each row's column blocks in one program
+        col_blocks = 1 if scale is not None else triton.cdiv(h_cols if ones_col else f, block_f)
+        _swiglu_bwd_kernel[(triton.cdiv(m, block_r), max(col_blocks, 1))](
+            pre, dh, dpre, h, m, f, pre.stride(0), dh.stride(0), dpre.stride(0),
+            h.stride(0) if with_h else 0, h_cols or 0, scale, dscale, **spec.constexprs(),
+            ONES_COL=ones_col, BLOCK_R=block_r, BLOCK_F=block_f,
+        )
+    if with_h and ones_col:
+        h = h[:, : f + 1]
+    return dpre, h, dscale
 
 
 # --------------------------------------------------------------------------------------------------
@@ -244,7 +260,7 @@ def _(pre, alpha, limit, linear_offset, layout):
 def _swiglu_bwd_op(
     pre: torch.Tensor, dh: torch.Tensor, alpha: float, limit: float | None, linear_offset: float, layout: str
 ) -> torch.Tensor:
-    return swiglu_bwd(pre, dh, _spec(alpha, limit, linear_offset, layout))
+    return swiglu_bwd(pre, dh, _spec(alpha, limit, linear_offset, layout))[0]
 
 
 @_swiglu_bwd_op.register_fake
@@ -273,15 +289,15 @@ def _spec(alpha, limit, linear_offset, layout) -> SwiGLU:
 @torch.library.custom_op("moekit::grouped_mm_swiglu", mutates_args=())
 def _grouped_mm_swiglu_op(
     x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, bias: torch.Tensor | None,
-    token_idx: torch.Tensor | None, row_of: torch.Tensor | None,
+    token_idx: torch.Tensor | None, row_of: torch.Tensor | None, row_scale: torch.Tensor | None,
     alpha: float, limit: float | None, linear_offset: float, layout: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     spec = _spec(alpha, limit, linear_offset, layout)
-    return grouped_mm_swiglu_fwd(x, w, offs, bias, spec, token_idx=token_idx)
+    return grouped_mm_swiglu_fwd(x, w, offs, bias, spec, token_idx=token_idx, row_scale=row_scale)
 
 
 @_grouped_mm_swiglu_op.register_fake
-def _(x, w, offs, bias, token_idx, row_of, alpha, limit, linear_offset, layout):
+def _(x, w, offs, bias, token_idx, row_of, row_scale, alpha, limit, linear_offset, layout):
     two_f = w.shape[2]
     rows = x.shape[0] if token_idx is None else token_idx.shape[0]
     return x.new_empty((rows, two_f // 2)), x.new_empty((rows, two_f))
@@ -290,18 +306,20 @@ def _(x, w, offs, bias, token_idx, row_of, alpha, limit, linear_offset, layout):
 @torch.library.custom_op("moekit::grouped_mm_downproj_bwd", mutates_args=())
 def _grouped_mm_downproj_bwd_op(
     grad: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, aux: torch.Tensor, h: torch.Tensor | None,
-    need_w: bool, need_b: bool, alpha: float, limit: float | None, linear_offset: float, layout: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    d_aux, dw, db = downproj_bwd(grad, w, offs, aux, _spec(alpha, limit, linear_offset, layout),
-                                 need_w=need_w, need_b=need_b, h=h)
+    row_scale: torch.Tensor | None, need_w: bool, need_b: bool,
+    alpha: float, limit: float | None, linear_offset: float, layout: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    d_aux, dw, db, ds = downproj_bwd(grad, w, offs, aux, _spec(alpha, limit, linear_offset, layout),
+                                     need_w=need_w, need_b=need_b, h=h, scale=row_scale)
     # custom ops return no None: an empty tensor stands in
     dw = grad.new_empty(0) if dw is None else dw
     db = grad.new_empty(0, dtype=torch.float32) if db is None else db
-    return d_aux, dw, db
+    ds = grad.new_empty(0, dtype=torch.float32) if ds is None else ds
+    return d_aux, dw, db, ds
 
 
 @_grouped_mm_downproj_bwd_op.register_fake
-def _(grad, w, offs, aux, h, need_w, need_b, alpha, limit, linear_offset, layout):
+def _(grad, w, offs, aux, h, row_scale, need_w, need_b, alpha, limit, linear_offset, layout):
     e, f, d = w.shape
     if not need_w:
         dw = grad.new_empty(0)
@@ -313,6 +331,7 @@ def _(grad, w, offs, aux, h, need_w, need_b, alpha, limit, linear_offset, layout
         torch.empty_like(aux),
         dw,
         grad.new_empty((e, d) if need_b else (0,), dtype=torch.float32),
+        grad.new_empty((aux.shape[0],) if row_scale is not None else (0,), dtype=torch.float32),
     )
 
 
@@ -360,13 +379,13 @@ def _(x, grad, offs):
 @torch.library.custom_op("moekit::grouped_mm_downproj", mutates_args=())
 def _grouped_mm_downproj_op(
     h: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, bias: torch.Tensor | None, aux: torch.Tensor | None,
-    alpha: float, limit: float | None, linear_offset: float, layout: str,
+    row_scale: torch.Tensor | None, alpha: float, limit: float | None, linear_offset: float, layout: str,
 ) -> torch.Tensor:
     return _ragged_m(h, w, offs, h.dtype, None, bias=bias)
 
 
 @_grouped_mm_downproj_op.register_fake
-def _(h, w, offs, bias, aux, alpha, limit, linear_offset, layout):
+def _(h, w, offs, bias, aux, row_scale, alpha, limit, linear_offset, layout):
     return h.new_empty((h.shape[0], w.shape[2]))
 
 
@@ -375,7 +394,7 @@ def _bias_grad(grad, offs, bias):
 
 
 def _grouped_mm_swiglu_setup(ctx, inputs, output):
-    x, w, offs, bias, token_idx, row_of, *_ = inputs
+    x, w, offs, bias, token_idx, row_of, *_ = inputs  # (row_scale gets its gradient from the down-projection)
     ctx.save_for_backward(x, w, offs, bias, token_idx, row_of)
     ctx.set_materialize_grads(False)  # an unused h must arrive as None, not as zeros
 
@@ -385,7 +404,7 @@ def _grouped_mm_swiglu_backward(ctx, grad_h, grad_aux):
         raise RuntimeError(H_GRADIENT_ERROR)
     x, w, offs, bias, token_idx, row_of = ctx.saved_tensors
     if grad_aux is None:
-        return (None,) * 10
+        return (None,) * 11
     d_aux = matrix_ready(grad_aux)
     need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
     grad_x = _grouped_mm_op(d_aux, w.mT, offs, None) if need_x else None
@@ -410,37 +429,40 @@ def _grouped_mm_swiglu_backward(ctx, grad_h, grad_aux):
             grad_w = None
     if need_b and grad_b is None:
         grad_b = _bias_grad(d_aux, offs, bias)
-    return grad_x, grad_w, None, grad_b, None, None, None, None, None, None
+    return grad_x, grad_w, None, grad_b, None, None, None, None, None, None, None
 
 
 _grouped_mm_swiglu_op.register_autograd(_grouped_mm_swiglu_backward, setup_context=_grouped_mm_swiglu_setup)
 
 
 def _grouped_mm_downproj_setup(ctx, inputs, output):
-    h, w, offs, bias, aux, alpha, limit, linear_offset, layout = inputs
+    h, w, offs, bias, aux, row_scale, alpha, limit, linear_offset, layout = inputs
     ctx.spec = (alpha, limit, linear_offset, layout)
     ctx.fused = aux is not None
     # With aux, the weight gradient takes h saved (the save_h option) or recomputed from aux; h is kept
     # only for a weight that needs a gradient.
     keep_h = ctx.fused and config.save_h() and ctx.needs_input_grad[1]
-    ctx.save_for_backward(aux if ctx.fused else h, h if keep_h else None, w, offs, bias)
+    ctx.save_for_backward(aux if ctx.fused else h, h if keep_h else None, w, offs, bias, row_scale)
 
 
 def _grouped_mm_downproj_backward(ctx, grad):
-    saved, h, w, offs, bias = ctx.saved_tensors
+    saved, h, w, offs, bias, row_scale = ctx.saved_tensors
     grad = matrix_ready(grad.to(w.dtype))
-    need_h, need_w, _, need_b, need_aux = ctx.needs_input_grad[:5]
-    grad_h = grad_aux = None
+    need_h, need_w, _, need_b, need_aux, need_s = ctx.needs_input_grad[:6]
+    grad_h = grad_aux = grad_s = None
     if ctx.fused:
-        grad_aux, grad_w, grad_b = _grouped_mm_downproj_bwd_op(grad, w, offs, saved, h, need_w, need_b, *ctx.spec)
+        grad_aux, grad_w, grad_b, grad_s = _grouped_mm_downproj_bwd_op(
+            grad, w, offs, saved, h, row_scale, need_w, need_b, *ctx.spec
+        )
         grad_aux = grad_aux if need_aux else None
         grad_w = grad_w if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
+        grad_s = grad_s.to(row_scale.dtype) if need_s else None
     else:
         grad_h = _grouped_mm_op(grad, w.mT, offs, None) if need_h else None
         grad_w = weight_grad(saved, grad, offs, w, _op_mm) if need_w else None
         grad_b = _bias_grad(grad, offs, bias) if need_b else None
-    return grad_h, grad_w, None, grad_b, grad_aux, None, None, None, None
+    return grad_h, grad_w, None, grad_b, grad_aux, grad_s, None, None, None, None
 
 
 _grouped_mm_downproj_op.register_autograd(_grouped_mm_downproj_backward, setup_context=_grouped_mm_downproj_setup)
@@ -467,6 +489,16 @@ def _check_expert_inputs(name, x, w, offs, bias, n_bias):
     check_layout("w", w)
 
 
+def _check_row_scale(name, row_scale, rows, device):
+    if row_scale is None:
+        return
+    if not isinstance(row_scale, torch.Tensor) or row_scale.dtype != torch.float32 or row_scale.shape != (rows,):
+        got = tuple(row_scale.shape) if isinstance(row_scale, torch.Tensor) else type(row_scale).__name__
+        raise ValueError(f"{name}: row_scale must be a float32 tensor of shape (M,) = ({rows},), got {got}")
+    if row_scale.device != device or row_scale.stride(0) != 1:
+        raise ValueError(f"{name}: row_scale must be contiguous and on the inputs' device")
+
+
 def grouped_mm_swiglu(
     x: torch.Tensor,
     w_up: torch.Tensor,
@@ -479,6 +511,7 @@ def grouped_mm_swiglu(
     gate_up_layout: str = "interleaved",
     token_idx: torch.Tensor | None = None,
     row_of: torch.Tensor | None = None,
+    row_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Up-projection with bias and SwiGLU fused: returns ``(h, aux)``.
 
@@ -491,6 +524,11 @@ def grouped_mm_swiglu(
     :func:`moekit.topk_router`, x is the (T, D) token matrix and the GEMM reads row r as
     x[token_idx[r]] itself; no permuted copy of x is made or saved, and the gradient to x sums each
     token's K rows without atomics. h and aux then have R rows.
+
+    Row scales: with ``row_scale`` (M,) float32 (in the MoE block, each routed row's routing weight),
+    ``h`` = row_scale[:, None] * SwiGLU(aux), multiplied in fp32 before rounding. Since the
+    down-projection is linear, its output then arrives weighted, and the block's combine is a plain
+    sum. Pass the same ``row_scale`` to :func:`grouped_mm_downproj`, which returns its gradient.
 
     Backward contract: ``h`` carries no gradient. Feed it to :func:`grouped_mm_downproj` together
     with ``aux_biased_acc=aux``; the gradient then reaches x, w_up and bias through ``aux``. A
@@ -506,10 +544,11 @@ def grouped_mm_swiglu(
         ok = token_idx.dtype == row_of.dtype == torch.int32 and token_idx.dim() == 1 and row_of.dim() == 2
         if not ok or row_of.shape[0] != x.shape[0] or token_idx.numel() != row_of.numel():
             raise ValueError("grouped_mm_swiglu: token_idx (R,) and row_of (T, K) must be int32 with R = T*K")
+    _check_row_scale("grouped_mm_swiglu", row_scale, x.shape[0] if token_idx is None else token_idx.numel(), x.device)
     if not config.uses_triton(x.device):
         rows = x if token_idx is None else x[token_idx.long()]
-        return grouped_mm_swiglu_ref(rows, w_up, offs, bias=bias, **_spec_kwargs(spec))
-    return _grouped_mm_swiglu_op(x, w_up, offs, bias, token_idx, row_of, *_spec_args(spec))
+        return grouped_mm_swiglu_ref(rows, w_up, offs, bias=bias, row_scale=row_scale, **_spec_kwargs(spec))
+    return _grouped_mm_swiglu_op(x, w_up, offs, bias, token_idx, row_of, row_scale, *_spec_args(spec))
 
 
 def grouped_mm_downproj(
@@ -519,6 +558,7 @@ def grouped_mm_downproj(
     *,
     bias: torch.Tensor | None = None,
     aux_biased_acc: torch.Tensor | None = None,
+    row_scale: torch.Tensor | None = None,
     swiglu_alpha: float = 1.702,
     swiglu_limit: float | None = 7.0,
     swiglu_linear_offset: float = 1.0,
@@ -532,16 +572,24 @@ def grouped_mm_downproj(
     weight gradient takes h as saved (or, with the option ``save_h=False``, recomputed from aux, so
     that only aux stays alive). Without it, this is a plain grouped GEMM + bias whose gradient flows
     to ``h``.
+
+    ``row_scale`` (M,) float32, with ``aux_biased_acc``: the row scales that :func:`grouped_mm_swiglu`
+    applied to h (h = row_scale * SwiGLU(aux)); the backward then also returns their gradient,
+    <dOut @ w_down[g]^T, SwiGLU(aux)> per row, computed in the SwiGLU backward pass from values it
+    reads anyway. The bias is not scaled: ``out = h @ w_down[g] + bias[g]``.
     """
     spec = SwiGLU(swiglu_alpha, swiglu_limit, swiglu_linear_offset, gate_up_layout)
     _check_expert_inputs("grouped_mm_downproj", h, w_down, offs, bias, w_down.shape[2])
     if aux_biased_acc is not None and aux_biased_acc.shape != (h.shape[0], 2 * h.shape[1]):
         raise ValueError(f"grouped_mm_downproj: aux must be (M, 2F) = ({h.shape[0]}, {2 * h.shape[1]})")
+    if row_scale is not None and aux_biased_acc is None:
+        raise ValueError(ROW_SCALE_ERROR)
+    _check_row_scale("grouped_mm_downproj", row_scale, h.shape[0], h.device)
     if not config.uses_triton(h.device):
         return grouped_mm_downproj_ref(
-            h, w_down, offs, bias=bias, aux_biased_acc=aux_biased_acc, **_spec_kwargs(spec)
+            h, w_down, offs, bias=bias, aux_biased_acc=aux_biased_acc, row_scale=row_scale, **_spec_kwargs(spec)
         )
-    return _grouped_mm_downproj_op(h, w_down, offs, bias, aux_biased_acc, *_spec_args(spec))
+    return _grouped_mm_downproj_op(h, w_down, offs, bias, aux_biased_acc, row_scale, *_spec_args(spec))
 
 
 def swiglu(

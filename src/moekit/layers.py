@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .experts import grouped_mm_downproj, grouped_mm_swiglu
-from .routing import combine, topk_router
+from .routing import combine, sorted_weights, topk_router
 
 ACTIVATIONS = {
     "gpt-oss": dict(swiglu_alpha=1.702, swiglu_limit=7.0, swiglu_linear_offset=1.0),  # clamped, +1 on the linear half
@@ -29,7 +29,9 @@ class GroupedExperts(nn.Module):
     integer dtype on x's device -> (R, D). Rows past ``sum(counts)`` come out as zeros. Weights in
     another dtype than x are cast to x's dtype for the GEMMs. Permute-free: pass x as the (T, D)
     tokens with ``token_idx_R`` and ``row_of_TK`` from :func:`moekit.topk_router`; the GEMMs then
-    read token rows in place and the result is still (R, D) in expert-sorted order.
+    read token rows in place and the result is still (R, D) in expert-sorted order. ``row_scale_R``
+    (R,) float32 scales each row's SwiGLU output before the down-projection (the routing weights, so
+    that the combine is a plain sum); the bias is not scaled.
     """
 
     def __init__(
@@ -76,15 +78,18 @@ class GroupedExperts(nn.Module):
         num_tokens_per_expert_E: torch.Tensor,
         token_idx_R: torch.Tensor | None = None,
         row_of_TK: torch.Tensor | None = None,
+        row_scale_R: torch.Tensor | None = None,
     ) -> torch.Tensor:
         offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
         w1, w2 = self.mlp1_weight_EGD, self.mlp2_weight_EDF
         if w1.dtype != x_RD.dtype:
             w1, w2 = w1.to(x_RD.dtype), w2.to(x_RD.dtype)
         h, aux = grouped_mm_swiglu(
-            x_RD, w1.mT, offs, bias=self.mlp1_bias_EG, token_idx=token_idx_R, row_of=row_of_TK, **self.swiglu
+            x_RD, w1.mT, offs, bias=self.mlp1_bias_EG, token_idx=token_idx_R, row_of=row_of_TK,
+            row_scale=row_scale_R, **self.swiglu,
         )
-        return grouped_mm_downproj(h, w2.mT, offs, bias=self.mlp2_bias_ED, aux_biased_acc=aux, **self.swiglu)
+        return grouped_mm_downproj(h, w2.mT, offs, bias=self.mlp2_bias_ED, aux_biased_acc=aux, row_scale=row_scale_R,
+                                   **self.swiglu)
 
     def extra_repr(self) -> str:
         bias = self.mlp1_bias_EG is not None
@@ -103,6 +108,11 @@ class GptOssExperts(GroupedExperts):
 class MoE(nn.Module):
     """An MoE block: router, permute-free dispatch, :class:`GroupedExperts`, and a weighted combine in
     fp32. No host sync anywhere; deterministic forward and backward.
+
+    Where the down-projection has no bias, each routed row's weight scales its SwiGLU output inside
+    the up-projection's epilogue (the down-projection is linear, so its output arrives weighted) and
+    the combine is a plain sum over each token's K rows. The weights' gradient then comes out of the
+    SwiGLU backward pass, and the (T*K, D) expert output is neither saved nor re-read.
 
     - Router: gate ``Linear(D, E, bias=router_bias)`` held in fp32; logits in fp32 (bf16 operands on
       the tensor cores with fp32 accumulation where the input is bf16 on a GPU), ``score_func``
@@ -155,7 +165,11 @@ class MoE(nn.Module):
         with torch.no_grad():
             self.tokens_per_expert += r.counts
         self.aux_loss = r.aux_loss
-        ys = self.experts(x2, r.counts, r.token_idx, r.row_of)  # permute-free: no copy of x
+        if self.experts.mlp2_bias_ED is None:  # weights applied before the (linear) down-projection
+            scale = sorted_weights(r.weights, r.row_of)
+            ys = self.experts(x2, r.counts, r.token_idx, r.row_of, scale)  # permute-free: no copy of x
+            return combine(ys, None, r.row_of).reshape(shape)
+        ys = self.experts(x2, r.counts, r.token_idx, r.row_of)
         return combine(ys, r.weights, r.row_of).reshape(shape)
 
     @torch.no_grad()

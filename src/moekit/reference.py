@@ -18,6 +18,8 @@ H_GRADIENT_ERROR = (
     "or use moekit.grouped_mm plus a separate activation if h feeds anything else."
 )
 
+ROW_SCALE_ERROR = "grouped_mm_downproj: row_scale needs aux_biased_acc (its gradient comes from the fused backward)"
+
 
 class _NoGradientToH(torch.autograd.Function):
     """Identity whose backward raises ``H_GRADIENT_ERROR``: the fused op's h carries no gradient, and
@@ -92,33 +94,50 @@ def _row_bias(bias: torch.Tensor, offs: torch.Tensor, rows: int, dtype: torch.dt
     return out
 
 
+def _scaled_swiglu(aux, spec, row_scale, offs, dtype):
+    """SwiGLU(aux) (times row_scale, in the compute dtype, before rounding), rounded to ``dtype``; rows
+    past offs[-1] are 0 whatever their scale."""
+    if row_scale is None:
+        return swiglu_torch(aux, spec).to(dtype)
+    cdt = torch.float64 if aux.dtype == torch.float64 else torch.float32
+    scale = row_scale.to(cdt)
+    ends = _bounds(offs, aux.shape[0])
+    end = ends[-1][1] if ends else 0
+    scale = torch.cat([scale[:end], scale.new_zeros(aux.shape[0] - end)])
+    return (swiglu_torch(aux.to(cdt), spec) * scale[:, None]).to(dtype)
+
+
 def grouped_mm_swiglu_ref(
-    x, w_up, offs, *, bias=None, swiglu_alpha=1.702, swiglu_limit=7.0, swiglu_linear_offset=1.0,
+    x, w_up, offs, *, bias=None, row_scale=None, swiglu_alpha=1.702, swiglu_limit=7.0, swiglu_linear_offset=1.0,
     gate_up_layout="interleaved",
 ):
     """Reference for :func:`moekit.grouped_mm_swiglu`: ``(h, aux)`` with aux = x @ w_up[g] + bias[g]
-    rounded to x.dtype, and h = SwiGLU(aux) computed from that rounded aux (as the kernel does). As on
-    the kernels, h carries no gradient: a gradient that reaches it raises ``H_GRADIENT_ERROR``."""
+    rounded to x.dtype, and h = SwiGLU(aux) (times ``row_scale``) computed from that rounded aux (as
+    the kernel does). As on the kernels, h carries no gradient: a gradient that reaches it raises
+    ``H_GRADIENT_ERROR``."""
     spec = SwiGLU(swiglu_alpha, swiglu_limit, swiglu_linear_offset, gate_up_layout)
     cdt = _compute_dtype(x, w_up)
     pre = grouped_mm_ref(x, w_up, offs, out_dtype=cdt)
     if bias is not None:
         pre = pre + _row_bias(bias, offs, x.shape[0], cdt)
     aux = pre.to(x.dtype)
-    return _NoGradientToH.apply(swiglu_torch(aux, spec)), aux
+    scale = None if row_scale is None else row_scale.detach()
+    return _NoGradientToH.apply(_scaled_swiglu(aux, spec, scale, offs, x.dtype)), aux
 
 
 def grouped_mm_downproj_ref(
-    h, w_down, offs, *, bias=None, aux_biased_acc=None, swiglu_alpha=1.702, swiglu_limit=7.0,
+    h, w_down, offs, *, bias=None, aux_biased_acc=None, row_scale=None, swiglu_alpha=1.702, swiglu_limit=7.0,
     swiglu_linear_offset=1.0, gate_up_layout="interleaved",
 ):
     """Reference for :func:`moekit.grouped_mm_downproj`: h @ w_down[g] + bias[g].
 
-    With ``aux_biased_acc``, h is recomputed as SwiGLU(aux) (the same values), so that autograd
-    carries the gradient through aux: the fused op's contract."""
+    With ``aux_biased_acc``, h is recomputed as SwiGLU(aux) (times ``row_scale``: the same values), so
+    that autograd carries the gradient through aux (and row_scale): the fused op's contract."""
+    if row_scale is not None and aux_biased_acc is None:
+        raise ValueError(ROW_SCALE_ERROR)
     if aux_biased_acc is not None:
         spec = SwiGLU(swiglu_alpha, swiglu_limit, swiglu_linear_offset, gate_up_layout)
-        h = swiglu_torch(aux_biased_acc, spec)
+        h = _scaled_swiglu(aux_biased_acc, spec, row_scale, offs, h.dtype)
     cdt = _compute_dtype(h, w_down)
     out = grouped_mm_ref(h, w_down, offs, out_dtype=cdt)
     if bias is not None:

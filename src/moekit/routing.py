@@ -134,16 +134,20 @@ def combine_fwd(y, weights, row_of):
     return out
 
 
-def combine_bwd(dout, y, weights, row_of, need_weights: bool):
+def combine_bwd(dout, y, weights, row_of, need_weights: bool, rows: int | None = None):
+    """dy (R, D) = weights[t, k] * dout[t] at row row_of[t, k], and, with ``need_weights``, dw (T, K)
+    fp32 = <dout[t], y[row_of[t, k]]>. ``weights=None`` (a plain sum): dy rows are copies of dout
+    rows, y is not read and may be None (``rows`` then gives R)."""
     t, k = row_of.shape
-    d = y.shape[1]
-    dy = config.empty(y.shape, dtype=y.dtype, device=y.device)
-    dw = config.empty((t, k), dtype=torch.float32, device=y.device) if need_weights else None
+    d = dout.shape[1]
+    rows = y.shape[0] if rows is None else rows
+    dy = config.empty((rows, d), dtype=dout.dtype if y is None else y.dtype, device=dout.device)
+    dw = config.empty((t, k), dtype=torch.float32, device=dout.device) if need_weights else None
     if t:
         bt, bd = _combine_blocks()
         _combine_bwd_kernel[(triton.cdiv(t, bt),)](
-            dout, y, weights, row_of, dy, dw, t, d, dout.stride(0), y.stride(0), dy.stride(0),
-            K=k, BLOCK_T=bt, BLOCK_D=bd,
+            dout, y, weights, row_of, dy, dw, t, d, dout.stride(0), y.stride(0) if y is not None else 0,
+            dy.stride(0), K=k, BLOCK_T=bt, BLOCK_D=bd,
         )
     return dy, dw
 
@@ -168,7 +172,7 @@ def _(experts, num_experts):
 
 
 @torch.library.custom_op("moekit::combine", mutates_args=())
-def _combine_op(y: torch.Tensor, weights: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+def _combine_op(y: torch.Tensor, weights: torch.Tensor | None, row_of: torch.Tensor) -> torch.Tensor:
     return combine_fwd(y, weights, row_of)
 
 
@@ -189,13 +193,27 @@ def _(dout, y, weights, row_of):
     return torch.empty_like(y), weights.new_empty(weights.shape, dtype=torch.float32)
 
 
+@torch.library.custom_op("moekit::scatter_rows", mutates_args=())
+def _scatter_rows_op(dout: torch.Tensor, row_of: torch.Tensor, rows: int) -> torch.Tensor:
+    """The plain combine's backward: dy[row_of[t, k]] = dout[t], (R, D); no weights, no y."""
+    return combine_bwd(dout, None, None, row_of, False, rows=rows)[0]
+
+
+@_scatter_rows_op.register_fake
+def _(dout, row_of, rows):
+    return dout.new_empty((rows, dout.shape[1]))
+
+
 def _combine_setup(ctx, inputs, output):
     y, weights, row_of = inputs
-    ctx.save_for_backward(y, weights, row_of)
+    ctx.rows = y.shape[0]
+    ctx.save_for_backward(y if weights is not None else None, weights, row_of)
 
 
 def _combine_backward(ctx, dout):
     y, weights, row_of = ctx.saved_tensors
+    if weights is None:  # a plain sum: y is not needed
+        return _scatter_rows_op(dout.contiguous(), row_of, ctx.rows), None, None
     dy, dw = _combine_bwd_op(dout.contiguous(), y, weights, row_of)
     return dy, dw.to(weights.dtype), None
 
@@ -365,23 +383,34 @@ def routing_metadata(experts: torch.Tensor, num_experts: int):
     return counts[:num_experts], offs[:num_experts], token_idx, row_of
 
 
-def combine(y: torch.Tensor, weights: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+def combine(y: torch.Tensor, weights: torch.Tensor | None, row_of: torch.Tensor) -> torch.Tensor:
     """out[t] = sum_k weights[t, k] * y[row_of[t, k]], accumulated in fp32, returned in y.dtype.
 
-    y (R, D) expert outputs in expert-sorted order; weights (T, K) float (used in fp32); row_of (T, K)
-    int32 rows of y, each in [0, R) (not checked on the device: a row outside reads out of bounds).
-    Deterministic forward and backward (gradients to y and weights)."""
-    if y.dim() != 2 or row_of.dim() != 2 or weights.shape != row_of.shape:
-        raise ValueError(f"combine: y (R, D), weights (T, K) and row_of (T, K), got {tuple(y.shape)}, "
-                         f"{tuple(weights.shape)} and {tuple(row_of.shape)}")
-    if row_of.dtype != torch.int32 or not weights.is_floating_point() or not y.is_floating_point():
+    y (R, D) expert outputs in expert-sorted order; weights (T, K) float (used in fp32), or None for a
+    plain sum (rows already weighted, as :class:`moekit.MoE` does when its experts have no output
+    bias); row_of (T, K) int32 rows of y, each in [0, R) (not checked on the device: a row outside
+    reads out of bounds). Deterministic forward and backward (gradients to y and weights)."""
+    if y.dim() != 2 or row_of.dim() != 2 or (weights is not None and weights.shape != row_of.shape):
+        got = "None" if weights is None else tuple(weights.shape)
+        raise ValueError(f"combine: y (R, D), weights (T, K) or None and row_of (T, K), got {tuple(y.shape)}, "
+                         f"{got} and {tuple(row_of.shape)}")
+    float_weights = weights is None or weights.is_floating_point()
+    if row_of.dtype != torch.int32 or not y.is_floating_point() or not float_weights:
         raise TypeError(f"combine: y and weights must be floating point and row_of int32, got {y.dtype}, "
-                        f"{weights.dtype} and {row_of.dtype}")
-    if len({y.device, weights.device, row_of.device}) != 1:
+                        f"{None if weights is None else weights.dtype} and {row_of.dtype}")
+    if len({y.device, row_of.device} | ({weights.device} if weights is not None else set())) != 1:
         raise ValueError("combine: y, weights and row_of must be on one device")
     if not config.uses_triton(y.device):
         return combine_ref(y, weights, row_of)
-    return _combine_op(y.contiguous(), weights.float().contiguous(), row_of.contiguous())
+    w = None if weights is None else weights.float().contiguous()
+    return _combine_op(y.contiguous(), w, row_of.contiguous())
+
+
+def sorted_weights(weights: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+    """(T, K) routing weights -> (R,) float32 in expert-sorted row order: out[row_of[t, k]] = weights[t, k].
+    Differentiable (the backward gathers); row_of must be a permutation of [0, R), as the router's is."""
+    flat = weights.float().reshape(-1)
+    return flat.new_empty(flat.shape).index_copy(0, row_of.reshape(-1).long(), flat)
 
 
 def gather_rows(x: torch.Tensor, routing: Routing) -> torch.Tensor:

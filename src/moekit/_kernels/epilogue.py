@@ -107,23 +107,42 @@ def _swiglu_kernel(
 def _swiglu_bwd_kernel(
     pre, dh, dpre, h, M, F, stride_pre_m, stride_dh_m, stride_dpre_m, stride_h_m,  # pre, dpre (M, 2F); dh (M, F)
     H_COLS,  # h (M, H_COLS) or None: F columns, or with ONES_COL F + 1 padded to a multiple of 64
+    scale, dscale,  # None, or (M,) fp32 row scales s (h = s * SwiGLU(pre)) and (M,) fp32 their gradient
     ALPHA: tl.constexpr, LIMIT: tl.constexpr, OFFSET: tl.constexpr, HALVES: tl.constexpr,
     ONES_COL: tl.constexpr,  # h[:, F] = 1 and h[:, F + 1:H_COLS] = 0 (see grouped_mm_dswiglu)
     BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
 ):
+    # dpre = dSwiGLU(pre) * (s * dh); the recomputed h = s * SwiGLU(pre) where asked; and
+    # dscale = <dh, SwiGLU(pre)> per row. A program walks its rows' column blocks in steps of the
+    # grid's second dim: the launcher gives that dim one program when a row sum (dscale) is asked.
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rows = tl.where(rows < M, rows, -1)
-    j = tl.program_id(1) * BLOCK_F
-    gate, lin = _load_pairs(pre, rows, j, F, stride_pre_m, BLOCK_R, BLOCK_F, HALVES)
-    cols = j + tl.arange(0, BLOCK_F)
-    mask = (rows[:, None] >= 0) & (cols[None, :] < F)
-    grad = tl.load(dh + rows[:, None].to(tl.int64) * stride_dh_m + cols[None, :], mask=mask, other=0.0)
-    dg, dl, out = swiglu_apply_bwd(gate, lin, grad.to(tl.float32), ALPHA, LIMIT, OFFSET)
-    _store_pairs(dpre, rows, j, F, stride_dpre_m, dg, dl, BLOCK_R, BLOCK_F, HALVES)
-    if h is not None:  # the recomputed forward value, for a weight gradient that needs it
-        if ONES_COL:  # past F, gate and linear read as 0 and out is 0
-            # H_COLS, a multiple of 64, keeps the mask provably uniform over 8 columns, so the store
-            # stays vectorized; ``cols <= F`` made this pass 40% slower on an H100.
-            out = tl.where(cols[None, :] == F, 1.0, out)
-            mask = (rows[:, None] >= 0) & (cols[None, :] < H_COLS)
-        tl.store(h + rows[:, None].to(tl.int64) * stride_h_m + cols[None, :], out.to(h.dtype.element_ty), mask=mask)
+    if scale is not None:
+        s = tl.load(scale + rows, mask=rows >= 0, other=0.0)
+    dot = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    n_cols = H_COLS if ONES_COL else F
+    for j in range(tl.program_id(1) * BLOCK_F, n_cols, tl.num_programs(1) * BLOCK_F):
+        gate, lin = _load_pairs(pre, rows, j, F, stride_pre_m, BLOCK_R, BLOCK_F, HALVES)
+        cols = j + tl.arange(0, BLOCK_F)
+        mask = (rows[:, None] >= 0) & (cols[None, :] < F)
+        grad = tl.load(dh + rows[:, None].to(tl.int64) * stride_dh_m + cols[None, :], mask=mask, other=0.0)
+        grad = grad.to(tl.float32)
+        if scale is not None:
+            dg, dl, out = swiglu_apply_bwd(gate, lin, grad * s[:, None], ALPHA, LIMIT, OFFSET)
+        else:
+            dg, dl, out = swiglu_apply_bwd(gate, lin, grad, ALPHA, LIMIT, OFFSET)
+        _store_pairs(dpre, rows, j, F, stride_dpre_m, dg, dl, BLOCK_R, BLOCK_F, HALVES)
+        if dscale is not None:
+            dot += tl.sum(grad * out, 1)
+        if h is not None:  # the recomputed forward value, for a weight gradient that needs it
+            if scale is not None:
+                out = out * s[:, None]
+            if ONES_COL:  # past F, gate and linear read as 0 and out is 0
+                # H_COLS, a multiple of 64, keeps the mask provably uniform over 8 columns, so the store
+                # stays vectorized; ``cols <= F`` made this pass 40% slower on an H100.
+                out = tl.where(cols[None, :] == F, 1.0, out)
+                mask = (rows[:, None] >= 0) & (cols[None, :] < H_COLS)
+            tl.store(h + rows[:, None].to(tl.int64) * stride_h_m + cols[None, :], out.to(h.dtype.element_ty),
+                     mask=mask)
+    if dscale is not None:
+        tl.store(dscale + rows, dot, mask=rows >= 0)

@@ -2,7 +2,9 @@
 
 * ``_grouped_mm_swiglu_kernel`` (up-projection forward): pre = x @ w_up[g] + b_up[g], rounded to the
   output dtype and stored as ``aux`` (M, 2F); h = SwiGLU(aux) (M, F) is computed from that rounded
-  ``aux`` so that the backward's recompute reproduces it bit for bit.
+  ``aux`` so that the backward's recompute reproduces it bit for bit. With ``row_scale`` (M,) fp32, h
+  is each row's SwiGLU times its scale, multiplied in fp32 before rounding (the MoE block's routing
+  weights, applied before the down-projection).
 * ``_grouped_colsum_kernel``: per-group column sums of a row-ragged matrix (the bias gradients),
   deterministic: one program per (column block, group), no atomics.
 
@@ -52,7 +54,7 @@ def _mainloop_pair(
 
 @triton.jit
 def _swiglu_epilogue(
-    x_g, x_l, aux_a, aux_b, h, real, end, row, j, F, stride_aux_m, stride_h_m,
+    x_g, x_l, aux_a, aux_b, h, real, end, row, j, F, stride_aux_m, stride_h_m, scale,
     BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, USE_TMA: tl.constexpr, OUT_DTYPE: tl.constexpr,
     ALPHA: tl.constexpr, LIMIT: tl.constexpr, OFFSET: tl.constexpr, HALVES: tl.constexpr,
 ):
@@ -60,7 +62,8 @@ def _swiglu_epilogue(
 
     HALVES: x_g, x_l are the gate and linear pre-activations [BLOCK_M, BLOCK_F]. Interleaved: x_g is
     the [BLOCK_M, 2 * BLOCK_F] interleaved pre-activation and x_l is unused. h is computed from the
-    rounded aux, exactly what the backward recomputes."""
+    rounded aux, exactly what the backward recomputes. ``scale``: None or the tile's [BLOCK_M] fp32 row
+    scales, which multiply h before it is rounded."""
     if HALVES:
         _store_rows(aux_a, stride_aux_m, end, row, j, F, x_g, BLOCK_M, BLOCK_F, USE_TMA)
         _store_rows(aux_b, stride_aux_m, end, row, j, F, x_l, BLOCK_M, BLOCK_F, USE_TMA)
@@ -69,7 +72,10 @@ def _swiglu_epilogue(
     else:
         _store_rows(aux_a, stride_aux_m, end, row, 2 * j, 2 * F, x_g, BLOCK_M, 2 * BLOCK_F, USE_TMA)
         gate, lin = split_pairs(x_g.to(OUT_DTYPE).to(tl.float32), BLOCK_M, BLOCK_F)
-    out = tl.where(real, swiglu_apply(gate, lin, ALPHA, LIMIT, OFFSET), 0.0)
+    out = swiglu_apply(gate, lin, ALPHA, LIMIT, OFFSET)
+    if scale is not None:
+        out = out * scale[:, None]
+    out = tl.where(real, out, 0.0)
     _store_rows(h, stride_h_m, end, row, j, F, out, BLOCK_M, BLOCK_F, USE_TMA)
 
 
@@ -77,6 +83,7 @@ def _swiglu_epilogue(
 def _grouped_mm_swiglu_kernel(
     a, b, aux_a, aux_b, h, offs_ptr, bias,  # a (M, D); b (E, D, 2F); aux (M, 2F) out; h (M, F) out; bias (E, 2F)
     a_index,  # None, or (M,) int32: row r of A is row a_index[r] of the (T, D) pointer a (permute-free)
+    row_scale,  # None, or (M,) fp32: h[r] is scaled by row_scale[r]
     M, F, K, E,
     stride_am, stride_ak,
     stride_be, stride_bk, stride_bn,
@@ -105,6 +112,11 @@ def _grouped_mm_swiglu_kernel(
             a_rows = _gather_rows_of(a_index, row, end, BLOCK_M)
         else:
             a_rows = None
+        if row_scale is not None:
+            rows = row + tl.arange(0, BLOCK_M)
+            scale = tl.load(row_scale + rows, mask=rows < end, other=0.0)
+        else:
+            scale = None
         if HALVES:
             acc_g = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
             acc_l = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
@@ -123,10 +135,10 @@ def _grouped_mm_swiglu_kernel(
             acc = _add_bias(acc, bias, stride_bias_e, gb, 2 * j, tl.where(real, 2 * F, 0), BLOCK_N)
             g_lo, g_hi = _halves(acc, BLOCK_M, BLOCK_N)  # each holds QUARTER whole (gate, linear) pairs
             l_lo, l_hi = g_lo, g_hi
-        _swiglu_epilogue(g_lo, l_lo, aux_a, aux_b, h, real, end, row, j, F, stride_aux_m, stride_h_m,
+        _swiglu_epilogue(g_lo, l_lo, aux_a, aux_b, h, real, end, row, j, F, stride_aux_m, stride_h_m, scale,
                          BLOCK_M, QUARTER, USE_TMA, OUT_DTYPE, ALPHA, LIMIT, OFFSET, HALVES)
         _swiglu_epilogue(g_hi, l_hi, aux_a, aux_b, h, real, end, row, j + QUARTER, F, stride_aux_m, stride_h_m,
-                         BLOCK_M, QUARTER, USE_TMA, OUT_DTYPE, ALPHA, LIMIT, OFFSET, HALVES)
+                         scale, BLOCK_M, QUARTER, USE_TMA, OUT_DTYPE, ALPHA, LIMIT, OFFSET, HALVES)
 
 
 @triton.jit

@@ -6,7 +6,8 @@
 * ``_route_scatter_kernel``: each entry's row in the expert-sorted order, i.e. the position a stable
   argsort of the flattened expert ids would give it, and the token of every sorted row.
 * ``_combine_kernel``: out[t] = sum_k w[t, k] * y[row_of[t, k]] in fp32 (gather-reduce).
-* ``_combine_bwd_kernel``: dy[row_of[t, k]] = w[t, k] * dout[t], and dw[t, k] = <dout[t], y[row_of[t, k]]>.
+* ``_combine_bwd_kernel``: dy[row_of[t, k]] = w[t, k] * dout[t], and dw[t, k] = <dout[t], y[row_of[t, k]]>;
+  without w (a plain sum) it copies dout[t] to the K rows and reads no y.
 * ``_gather_rows_ones_kernel``: out[r] = x[token_idx[r]] followed by a column of ones (the
   permute-free backward's copy of x for dW_up, whose ones column makes that GEMM yield db_up too;
   a plain gather is ``index_select``).
@@ -104,6 +105,16 @@ def _combine_bwd_kernel(
 ):
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = tok < T
+    if w is None:  # a plain sum's backward: each dout row is read once and copied to its K rows
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            mask = tok_ok[:, None] & (cols[None, :] < D)
+            g = tl.load(dout + tok[:, None].to(tl.int64) * stride_dout + cols[None, :], mask=mask, other=0.0)
+            for k in tl.static_range(K):
+                rows = tl.load(row_of + tok * K + k, mask=tok_ok, other=0)
+                tl.store(dy + rows[:, None].to(tl.int64) * stride_dy + cols[None, :], g.to(dy.dtype.element_ty),
+                         mask=mask)
+        return
     for k in tl.static_range(K):
         rows = tl.load(row_of + tok * K + k, mask=tok_ok, other=0)
         scale = tl.load(w + tok * K + k, mask=tok_ok, other=0.0)

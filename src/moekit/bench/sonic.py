@@ -46,7 +46,7 @@ def sonicmoe_block_times(d: int, f: int, e: int, top_k: int, tokens: int, *, tim
     Returns ``{"status": "ok", "fwd": ms, "bwd": ms, "saved": bytes, "compile_s": s}`` on success, else
     ``{"status": "timeout after N s" | "error: ..." | "not installed"}``.
     """
-    args = ["--d", d, "--f", f, "--e", e, "--top-k", top_k, "--tokens", tokens]
+    args = ["--d", d, "--f", f, "--e", e, "--top-k", top_k, "--tokens", tokens, "--trace-every", max(timeout_s / 3, 10)]
     cmd = [sys.executable, "-m", "moekit.bench.sonic", *map(str, args)]
     return _run_child(cmd, timeout_s)
 
@@ -55,6 +55,9 @@ def _child_env() -> dict[str, str]:
     env = dict(os.environ)
     path = env.get("PYTHONPATH")
     env["PYTHONPATH"] = str(_SRC_DIR) + (os.pathsep + path if path else "")
+    # SonicMoE's tvm-ffi JIT-builds a torch C++ extension (the DLPack exchange addon) on first import
+    # where no prebuilt one matches the torch version; one cache for all children builds it once.
+    env.setdefault("TVM_FFI_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "tvm-ffi"))
     return env
 
 
@@ -69,6 +72,8 @@ def _run_child(cmd: list[str], timeout_s: float) -> dict:
     except subprocess.TimeoutExpired:
         _, stderr = _kill_group(proc)
         last = [line.strip() for line in (stderr or "").splitlines() if line.strip()]
+        # where it was: the child dumps its Python stacks periodically (--trace-every)
+        print("\n".join(["sonicmoe child timed out; the end of its stderr:", *last[-40:]]), file=sys.stderr)
         seen = f" (its last line: {last[-1][:80].replace('|', '/')})" if last else " (it printed nothing)"
         return {"status": f"timeout after {timeout_s:g} s{seen}"}
     except BaseException:  # e.g. Ctrl-C in the parent: do not leave a GPU-holding orphan behind
@@ -117,6 +122,8 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m moekit.bench.sonic", description="Time SonicMoE's MoE block once.")
     for name in ("--d", "--f", "--e", "--top-k", "--tokens"):
         p.add_argument(name, type=int, required=True)
+    p.add_argument("--trace-every", type=float, metavar="S",
+                   help="dump this process's Python stacks to stderr every S seconds (to see where a hang sits)")
     p.add_argument("--wait-for", metavar="PATH",
                    help="after the first (compiling) call, wait until PATH exists before timing: the compile can "
                         "then overlap other work without disturbing the timings")
@@ -134,12 +141,22 @@ def _median_ms(fn) -> float:
 
 
 def _child(args: argparse.Namespace) -> None:
+    start = time.perf_counter()
+
+    def phase(what: str) -> None:
+        print(f"[{time.perf_counter() - start:7.1f} s] {what}", file=sys.stderr, flush=True)
+
+    if args.trace_every:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.trace_every, repeat=True, file=sys.stderr)
     try:
         from sonicmoe import MoE as SonicMoE
         from sonicmoe.enums import ActivationType
     except Exception:  # a broken install (missing CUDA libs, etc.) is reported like a missing one
         _emit({"status": "not installed"})
         return
+    phase("imported sonicmoe")
 
     import torch
 
@@ -159,6 +176,7 @@ def _child(args: argparse.Namespace) -> None:
     # A real dy: a stride-0 gradient (as from y.sum().backward()) trips an assertion in SonicMoE's quack dependency.
     dy = torch.randn_like(x)
     params = [x, *moe.parameters()]
+    phase("built the block")
 
     def fwd() -> torch.Tensor:
         return moe(x)[0]
@@ -172,7 +190,11 @@ def _child(args: argparse.Namespace) -> None:
     step()
     torch.cuda.synchronize()
     compile_s = time.perf_counter() - t0
-    print(f"first call (compile and autotune) {compile_s:.1f} s", file=sys.stderr, flush=True)
+    phase(f"first call (compile and autotune) took {compile_s:.1f} s")
+    if args.trace_every:
+        import faulthandler
+
+        faulthandler.cancel_dump_traceback_later()
     while args.wait_for and not os.path.exists(args.wait_for):
         time.sleep(0.5)
 
