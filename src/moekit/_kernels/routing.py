@@ -114,23 +114,23 @@ def _combine_bwd_kernel(
                 rows = tl.load(row_of + tok * K + k, mask=tok_ok, other=0)
                 tl.store(dy + rows[:, None].to(tl.int64) * stride_dy + cols[None, :], g.to(dy.dtype.element_ty),
                          mask=mask)
-        return
-    for k in tl.static_range(K):
-        rows = tl.load(row_of + tok * K + k, mask=tok_ok, other=0)
-        scale = tl.load(w + tok * K + k, mask=tok_ok, other=0.0)
-        dot = tl.zeros((BLOCK_T,), dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            cols = d0 + tl.arange(0, BLOCK_D)
-            mask = tok_ok[:, None] & (cols[None, :] < D)
-            g = tl.load(dout + tok[:, None].to(tl.int64) * stride_dout + cols[None, :], mask=mask, other=0.0)
-            g = g.to(tl.float32)
-            tl.store(dy + rows[:, None].to(tl.int64) * stride_dy + cols[None, :],
-                     (g * scale[:, None]).to(dy.dtype.element_ty), mask=mask)
+    else:
+        for k in tl.static_range(K):
+            rows = tl.load(row_of + tok * K + k, mask=tok_ok, other=0)
+            scale = tl.load(w + tok * K + k, mask=tok_ok, other=0.0)
+            dot = tl.zeros((BLOCK_T,), dtype=tl.float32)
+            for d0 in range(0, D, BLOCK_D):
+                cols = d0 + tl.arange(0, BLOCK_D)
+                mask = tok_ok[:, None] & (cols[None, :] < D)
+                g = tl.load(dout + tok[:, None].to(tl.int64) * stride_dout + cols[None, :], mask=mask, other=0.0)
+                g = g.to(tl.float32)
+                tl.store(dy + rows[:, None].to(tl.int64) * stride_dy + cols[None, :],
+                         (g * scale[:, None]).to(dy.dtype.element_ty), mask=mask)
+                if dw is not None:
+                    yv = tl.load(y + rows[:, None].to(tl.int64) * stride_y + cols[None, :], mask=mask, other=0.0)
+                    dot += tl.sum(g * yv.to(tl.float32), 1)
             if dw is not None:
-                yv = tl.load(y + rows[:, None].to(tl.int64) * stride_y + cols[None, :], mask=mask, other=0.0)
-                dot += tl.sum(g * yv.to(tl.float32), 1)
-        if dw is not None:
-            tl.store(dw + tok * K + k, dot, mask=tok_ok)
+                tl.store(dw + tok * K + k, dot, mask=tok_ok)
 
 
 @triton.jit
