@@ -220,23 +220,23 @@ def swiglu_bwd(pre: torch.Tensor, dh: torch.Tensor, spec: SwiGLU, *, with_h: boo
     m, two_f = pre.shape
     f = two_f // 2
     dpre = config.empty((m, two_f), dtype=pre.dtype, device=pre.device)
-    dscale = None if scale is None else config.empty((m,), dtype=torch.float32, device=pre.device)
     h = h_cols = None
     if with_h:  # a padded row of 64-element multiples keeps the ones column's stores vectorized
         h_cols = triton.cdiv(f + 1, 64) * 64 if ones_col else f
         h = config.empty((m, h_cols), dtype=pre.dtype, device=pre.device)
+    block_r, block_f = (16, 16) if config.is_interpreting() else (16, 128)
+    col_blocks = max(triton.cdiv(h_cols if ones_col else f, block_f), 1)
+    # d_scale: one partial row sum per column block, added up below (deterministic, no atomics)
+    parts = None if scale is None else config.empty((col_blocks, m), dtype=torch.float32, device=pre.device)
     if m:
-        block_r, block_f = (16, 16) if config.is_interpreting() else (16, 128)
-        # a row sum (d_scale) needs each row's column blocks in one program
-        col_blocks = 1 if scale is not None else triton.cdiv(h_cols if ones_col else f, block_f)
-        _swiglu_bwd_kernel[(triton.cdiv(m, block_r), max(col_blocks, 1))](
+        _swiglu_bwd_kernel[(triton.cdiv(m, block_r), col_blocks)](
             pre, dh, dpre, h, m, f, pre.stride(0), dh.stride(0), dpre.stride(0),
-            h.stride(0) if with_h else 0, h_cols or 0, scale, dscale, **spec.constexprs(),
+            h.stride(0) if with_h else 0, h_cols or 0, scale, parts, **spec.constexprs(),
             ONES_COL=ones_col, BLOCK_R=block_r, BLOCK_F=block_f,
         )
     if with_h and ones_col:
         h = h[:, : f + 1]
-    return dpre, h, dscale
+    return dpre, h, None if parts is None else parts.sum(0)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -107,14 +107,15 @@ def _swiglu_kernel(
 def _swiglu_bwd_kernel(
     pre, dh, dpre, h, M, F, stride_pre_m, stride_dh_m, stride_dpre_m, stride_h_m,  # pre, dpre (M, 2F); dh (M, F)
     H_COLS,  # h (M, H_COLS) or None: F columns, or with ONES_COL F + 1 padded to a multiple of 64
-    scale, dscale,  # None, or (M,) fp32 row scales s (h = s * SwiGLU(pre)) and (M,) fp32 their gradient
+    scale, dscale,  # None, or (M,) fp32 row scales s (h = s * SwiGLU(pre)) and (grid dim 1, M) fp32 partial sums
     ALPHA: tl.constexpr, LIMIT: tl.constexpr, OFFSET: tl.constexpr, HALVES: tl.constexpr,
     ONES_COL: tl.constexpr,  # h[:, F] = 1 and h[:, F + 1:H_COLS] = 0 (see grouped_mm_dswiglu)
     BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
 ):
-    # dpre = dSwiGLU(pre) * (s * dh); the recomputed h = s * SwiGLU(pre) where asked; and
-    # dscale = <dh, SwiGLU(pre)> per row. A program walks its rows' column blocks in steps of the
-    # grid's second dim: the launcher gives that dim one program when a row sum (dscale) is asked.
+    # dpre = dSwiGLU(pre) * (s * dh); the recomputed h = s * SwiGLU(pre) where asked; and the
+    # gradient of s, <dh, SwiGLU(pre)> per row, as one partial sum per program column (the launcher
+    # adds them up: deterministic, no atomics). A program walks its rows' column blocks in steps of
+    # the grid's second dim.
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rows = tl.where(rows < M, rows, -1)
     if scale is not None:
@@ -145,4 +146,4 @@ def _swiglu_bwd_kernel(
             tl.store(h + rows[:, None].to(tl.int64) * stride_h_m + cols[None, :], out.to(h.dtype.element_ty),
                      mask=mask)
     if dscale is not None:
-        tl.store(dscale + rows, dot, mask=rows >= 0)
+        tl.store(dscale + tl.program_id(1) * M + rows, dot, mask=rows >= 0)

@@ -46,7 +46,7 @@ def sonicmoe_block_times(d: int, f: int, e: int, top_k: int, tokens: int, *, tim
     Returns ``{"status": "ok", "fwd": ms, "bwd": ms, "saved": bytes, "compile_s": s}`` on success, else
     ``{"status": "timeout after N s" | "error: ..." | "not installed"}``.
     """
-    args = ["--d", d, "--f", f, "--e", e, "--top-k", top_k, "--tokens", tokens, "--trace-every", max(timeout_s / 3, 10)]
+    args = ["--d", d, "--f", f, "--e", e, "--top-k", top_k, "--tokens", tokens]
     cmd = [sys.executable, "-m", "moekit.bench.sonic", *map(str, args)]
     return _run_child(cmd, timeout_s)
 
@@ -72,7 +72,7 @@ def _run_child(cmd: list[str], timeout_s: float) -> dict:
     except subprocess.TimeoutExpired:
         _, stderr = _kill_group(proc)
         last = [line.strip() for line in (stderr or "").splitlines() if line.strip()]
-        # where it was: the child dumps its Python stacks periodically (--trace-every)
+        # where it was (the child prints its phases; ``--trace-every`` adds stack dumps)
         print("\n".join(["sonicmoe child timed out; the end of its stderr:", *last[-40:]]), file=sys.stderr)
         seen = f" (its last line: {last[-1][:80].replace('|', '/')})" if last else " (it printed nothing)"
         return {"status": f"timeout after {timeout_s:g} s{seen}"}
@@ -123,7 +123,8 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("--d", "--f", "--e", "--top-k", "--tokens"):
         p.add_argument(name, type=int, required=True)
     p.add_argument("--trace-every", type=float, metavar="S",
-                   help="dump this process's Python stacks to stderr every S seconds (to see where a hang sits)")
+                   help="dump this process's Python stacks to stderr every S seconds, to see where a hang sits "
+                        "(faulthandler reads other threads' frames unlocked: once a dump ended in a segfault)")
     p.add_argument("--wait-for", metavar="PATH",
                    help="after the first (compiling) call, wait until PATH exists before timing: the compile can "
                         "then overlap other work without disturbing the timings")
