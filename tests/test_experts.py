@@ -138,8 +138,8 @@ def test_forward_and_backward(interpreter, tma_path, counts, m, d, f, variant):
 
 @pytest.mark.parametrize("save_h", [True, False], ids=["save-h", "recompute-h"])
 def test_down_weight_gradient_from_saved_or_recomputed_h(interpreter, save_h):
-    """dW_down and db_down from h saved in the forward (the default; db_down from a column-sum pass
-    here) and from h recomputed out of aux in the backward (``save_h=False``; db_down from the ones
+    """dW_down and db_down from h saved in the forward (``save_h=True``; db_down from a column-sum pass
+    here) and from h recomputed out of aux in the backward (the default; db_down from the ones
     column the recompute appends): both within the reference's error."""
     with moekit.options(save_h=save_h):
         leaves = _check_chain(VARIANTS["gpt-oss"], [10, 0, 22], 40, 32, 24)[0]
@@ -181,7 +181,8 @@ def test_h_is_saved_only_for_a_down_weight_gradient(interpreter, w_down_trained)
     """The forward keeps h alive only when dW_down will need it (the ``save_h`` option)."""
     x, w1, b1, w2, b2, offs = _expert_inputs([10, 0, 22], 40, 32, 24)
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+    with moekit.options(save_h=True), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
+                                                                               lambda t: t):
         h, aux = grouped_mm_swiglu(_leaf(x), w1, offs, bias=b1)
         grouped_mm_downproj(h, w2.requires_grad_(w_down_trained), offs, bias=b2, aux_biased_acc=aux)
     assert any(t is h for t in saved) == w_down_trained

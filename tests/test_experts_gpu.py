@@ -67,7 +67,7 @@ def _chain(fns, x, w1, b1, w2, b2, offs, layout):
                          ids=["bias-grads-in-wgrad", "bias-grads-colsum", "f-mod-128-is-64"])
 @pytest.mark.parametrize("save_h", [True, False], ids=["save-h", "recompute-h"])
 def test_forward_backward_against_float64(expert_path, layout, x_scale, d, f, save_h):
-    """h saved for dW_down (the default) or recomputed from aux (``save_h=False``). db_down comes
+    """h saved for dW_down (``save_h=True``) or recomputed from aux (the default). db_down comes
     from the dW_down GEMM (a ones column on the recomputed h where F % 128 != 0, a virtual ones row on
     a saved h where F % 128 == 64) or from a column-sum pass."""
     with moekit.options(save_h=save_h):

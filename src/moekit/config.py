@@ -53,8 +53,9 @@ class Options:
     - ``tma`` (``MOEKIT_TMA``, on): TMA descriptors on Hopper and newer; off forces the pointer path.
     - ``warp_specialized`` (``MOEKIT_WARP_SPECIALIZED``, on): the warp-specialized Gluon kernels on
       sm_90; off runs the Triton kernels there too.
-    - ``save_h`` (``MOEKIT_SAVE_H``, on): the fused down-projection saves h for its weight gradient;
-      off recomputes h from aux in the backward (less saved memory, a slower backward).
+    - ``save_h`` (``MOEKIT_SAVE_H``, off): the fused down-projection saves h for its weight gradient;
+      off (the default) recomputes h from aux in the SwiGLU backward pass: R x F bf16 less saved
+      memory (as little as SonicMoE saves) for 0-4% of a block step (docs/design.md).
     - ``fused_dswiglu`` (``MOEKIT_FUSED_DSWIGLU``, off): the down-projection's dgrad computes the
       SwiGLU backward in its epilogue on sm_90 (bit-equal to the default, and slower on an H100:
       docs/design.md).
@@ -66,7 +67,7 @@ class Options:
     debug: bool = False
     tma: bool = True
     warp_specialized: bool = True
-    save_h: bool = True
+    save_h: bool = False
     fused_dswiglu: bool = False
     poison: bool = False
 
@@ -197,7 +198,7 @@ def fused_dswiglu() -> bool:
 
 
 def save_h() -> bool:
-    """Whether the fused down-projection saves h for its weight gradient (the ``save_h`` option, on by
+    """Whether the fused down-projection saves h for its weight gradient (the ``save_h`` option, off by
     default) instead of recomputing it from aux in the backward. Saving h keeps 0.5 GiB more per
     gpt-oss-20b layer alive and spares the SwiGLU backward pass h's recompute and store."""
     return _options.save_h

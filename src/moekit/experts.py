@@ -9,11 +9,13 @@ Backward (the fused-only contract): the gradient flows through ``aux``, not ``h`
 dgrad computes dH = dOut @ w_down^T, and one pass turns (aux, dH) into d_aux = dSwiGLU(aux) * dH; then
 dW_down = h^T @ dOut, dX = d_aux @ w_up^T, dW_up = x^T @ d_aux (without biases, as (d_aux^T @ x)^T and
 (dOut^T @ h)^T, in the layout of the (E, N, K) parameters behind ``w.mT``: ``grouped_gemm.weight_grad``).
-The forward saves ``aux`` and ``h`` (the ``save_h`` option); with ``save_h=False`` it saves only
-``aux``, and the pass also recomputes h (the GEMM's own epilogue can do that, opt-in and slower:
-``grouped_mm_dswiglu``). The bias gradients are per-expert column sums. db_up and, from a saved h,
-db_down come out of their weight gradient GEMMs on Hopper when D (resp. F) % 128 == 64: a constant
-row of ones that the warp-specialized kernel multiplies in the empty half of its last row tile.
+The forward saves only ``aux`` by default, and the pass also recomputes h (the GEMM's own epilogue
+can do that, opt-in and slower: ``grouped_mm_dswiglu``); with the ``save_h`` option it saves h too.
+With row scales (``row_scale``: h = s * SwiGLU(aux), the MoE block's routing weights) the pass also
+applies s to dH and yields the scales' gradient <dH, SwiGLU(aux)> per row.
+The bias gradients are per-expert column sums. db_up and, from a saved h, db_down come out of their
+weight gradient GEMMs on Hopper when D (resp. F) % 128 == 64: a constant row of ones that the
+warp-specialized kernel multiplies in the empty half of its last row tile.
 db_down from a recomputed h comes out of the dW_down GEMM through a column of ones appended to h.
 Otherwise a pass sums them.
 
@@ -569,8 +571,8 @@ def grouped_mm_downproj(
     h (M, F); w_down (E, F, D), e.g. a ``(E, D, F)`` torchtitan weight as ``w.mT``; bias (E, D) or
     None. With ``aux_biased_acc=aux`` from :func:`grouped_mm_swiglu` (and the same SwiGLU settings),
     the backward runs fused: the gradient goes to aux (dSwiGLU(aux) applied to dH), not to h, and the
-    weight gradient takes h as saved (or, with the option ``save_h=False``, recomputed from aux, so
-    that only aux stays alive). Without it, this is a plain grouped GEMM + bias whose gradient flows
+    weight gradient takes h recomputed from aux, so that only aux stays alive (with the option
+    ``save_h=True``, h as saved). Without it, this is a plain grouped GEMM + bias whose gradient flows
     to ``h``.
 
     ``row_scale`` (M,) float32, with ``aux_biased_acc``: the row scales that :func:`grouped_mm_swiglu`
