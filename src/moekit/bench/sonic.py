@@ -3,7 +3,7 @@
 SonicMoE (package ``sonicmoe`` 0.1.2.post1, CuTe-DSL kernels from Tri Dao's lab) runs in its own Python
 process with a wall-clock timeout, because:
 
-- run in the same process after moekit's kernels, it once hung for over 9 minutes;
+- run in the same process after moekit's kernels, it has hung for over 9 minutes;
 - on some shapes its first call hangs on its own;
 - its first call per shape autotunes and compiles for 25-140 s.
 
@@ -124,7 +124,7 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument(name, type=int, required=True)
     p.add_argument("--trace-every", type=float, metavar="S",
                    help="dump this process's Python stacks to stderr every S seconds, to see where a hang sits "
-                        "(faulthandler reads other threads' frames unlocked: once a dump ended in a segfault)")
+                        "(faulthandler reads other threads' frames unlocked and can crash the process)")
     p.add_argument("--wait-for", metavar="PATH",
                    help="after the first (compiling) call, wait until PATH exists before timing: the compile can "
                         "then overlap other work without disturbing the timings")
