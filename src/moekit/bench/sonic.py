@@ -3,9 +3,9 @@
 SonicMoE (package ``sonicmoe`` 0.1.2.post1, CuTe-DSL kernels from Tri Dao's lab) runs in its own Python
 process with a wall-clock timeout, because:
 
-- run in the same process after moekit's kernels, it has hung for over 9 minutes;
-- on some shapes its first call hangs on its own;
-- its first call per shape autotunes and compiles for 25-140 s.
+- run in the same process after moekit's kernels, it can hang for over 9 minutes;
+- its first call per shape autotunes every QuACK GEMM, compiling each candidate configuration in worker
+  processes: from 25 s to over 3 minutes per shape.
 
 A hang or a crash therefore becomes a row status (``"timeout after N s"``, ``"error: ..."``), never a hung
 benchmark. What is compared: SonicMoE's whole ``MoE`` block with plain SwiGLU, no biases and its own
