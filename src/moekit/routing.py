@@ -223,7 +223,9 @@ _combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 @torch.library.custom_op("moekit::gather_rows", mutates_args=())
 def _gather_op(x: torch.Tensor, token_idx: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
-    return x.index_select(0, token_idx)
+    # out[row_of[t, k]] = x[t], which is x[token_idx]: the plain combine's backward kernel, which
+    # reads each token row once
+    return combine_bwd(x, None, None, row_of, False, rows=token_idx.shape[0])[0]
 
 
 @_gather_op.register_fake
