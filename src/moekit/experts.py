@@ -39,7 +39,7 @@ from .epilogue import SwiGLU
 from .grouped_gemm import _grouped_mm_op, _op_mm, _ragged_k, _ragged_m, grouped_mm_fwd, k_major, weight_grad
 from .hopper import ws_dswiglu_ok, ws_gemm, ws_ok
 from .reference import H_GRADIENT_ERROR, ROW_SCALE_ERROR, grouped_mm_downproj_ref, grouped_mm_swiglu_ref, swiglu_ref
-from .routing import _gather_bwd_op, gather_rows_with_ones
+from .routing import _gather_bwd_op, _gather_op, gather_rows_with_ones
 from .validation import check_layout, matrix_ready
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -421,12 +421,13 @@ def _grouped_mm_swiglu_backward(ctx, grad_h, grad_aux):
         grad_x = _gather_bwd_op(grad_x, row_of) if need_x else None
         # dW_up re-gathers x's token rows into a transient copy: a gathered (pointer-loaded) A^T in the
         # wgrad GEMM measured 2.7 ms slower per gpt-oss-20b step than this ~0.4 ms copy plus TMA loads.
-        # The copy can carry a column of ones for free, which hands db_up to the same GEMM.
+        # The copy is written by the row scatter (each token row read once, written to its K rows), or
+        # carries a column of ones where that is free, which hands db_up to the same GEMM.
         if need_w and need_b and config.ones_row_is_free(x.shape[1]):
             grad_w, grad_b = _gathered_wgrad_op(x, token_idx, d_aux, offs)
             grad_b = grad_b.to(bias.dtype)
         elif need_w:
-            grad_w = weight_grad(x.index_select(0, token_idx), d_aux, offs, w, _op_mm)
+            grad_w = weight_grad(_gather_op(x.contiguous(), token_idx, row_of), d_aux, offs, w, _op_mm)
         else:
             grad_w = None
     if need_b and grad_b is None:

@@ -10,7 +10,7 @@
   without w (a plain sum) it copies dout[t] to the K rows and reads no y.
 * ``_gather_rows_ones_kernel``: out[r] = x[token_idx[r]] followed by a column of ones (the
   permute-free backward's copy of x for dW_up, whose ones column makes that GEMM yield db_up too;
-  a plain gather is ``index_select``).
+  a plain gather is the plain combine's backward kernel).
 """
 
 import triton

@@ -123,7 +123,7 @@ GEMM_KERNELS = ("_grouped_mm_",)  # name prefix of moekit's grouped GEMM kernels
 def step_profile(step, *, gemm_prefixes=GEMM_KERNELS) -> dict:
     """Profile one call of ``step`` (after a warm-up call) and split its GPU time: {"total": ms,
     "gemm": ms in kernels whose name starts with a GEMM prefix, "glue": ms of every other kernel,
-    "top": [(name, ms), ...] the five largest glue kernels (summed over calls of one name)}."""
+    "top": [(name, ms), ...] the ten largest glue kernels (summed over calls of one name)}."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
@@ -138,7 +138,7 @@ def step_profile(step, *, gemm_prefixes=GEMM_KERNELS) -> dict:
             gemm += ms
         else:
             glue[e.name] = glue.get(e.name, 0.0) + ms
-    top = sorted(glue.items(), key=lambda kv: -kv[1])[:5]
+    top = sorted(glue.items(), key=lambda kv: -kv[1])[:10]
     return {"total": gemm + sum(glue.values()), "gemm": gemm, "glue": sum(glue.values()), "top": top}
 
 
