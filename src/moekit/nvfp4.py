@@ -1,4 +1,4 @@
-"""NVFP4: the format, and the pure-PyTorch references of its quantization and layouts.
+"""NVFP4: the format, its quantization and block-scale layouts; pure-PyTorch references and Triton ops.
 
 An NVFP4 tensor x (M, K) is stored as
 - ``values`` (M, K / 2) ``torch.float4_e2m1fn_x2``: e2m1 codes (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6
@@ -22,13 +22,34 @@ contiguous bytes where the scale of row r and column c of the tile sits at
 grouped GEMM each expert's rows start a new row tile (``to_blocked_ragged_ref``), and each expert's
 weight scales form their own tiles (``to_blocked_experts_ref``).
 
-The quantize and GEMM kernels build on these references; this module holds the references and the
-layout helpers, which run anywhere.
+Public ops, each with its pure-PyTorch ``*_ref`` twin (the CPU path and the tests' oracle), bit-exact
+with it; on CUDA (and under ``TRITON_INTERPRET=1``) they run the kernels of ``_kernels/nvfp4.py``, with
+no host sync (``to_blocked_ragged`` reads ``offs`` on the device) and CUDA-graph safe:
+- ``quantize(x, global_scale=None)``: activations (..., K); with ``global_scale=None`` the amax is
+  reduced on the device;
+- ``quantize_weights(w, global_scale=None, *, block_2d=False)``: weights (E, K, N) along K, per-expert
+  global scales, 1x16 blocks or the 16x16 blocks of the NVFP4 training recipe;
+- ``dequantize(values, scales, global_scale, *, dtype=torch.float32)``;
+- ``to_blocked(scales)``, ``to_blocked_ragged(scales, offs)``, ``to_blocked_experts(scales)``.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
+import triton
+
+from . import config
+from ._kernels.nvfp4 import (
+    _amax_kernel,
+    _dequantize_kernel,
+    _global_scale_kernel,
+    _quantize_kernel,
+    _to_blocked_kernel,
+    _to_blocked_ragged_kernel,
+)
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitude of codes 0-7 (bit 3 is the sign)
 E2M1_MAX = 6.0
@@ -40,12 +61,69 @@ INTERLEAVE = 8  # the gate/up column granularity of the "interleaved8" layout
 # Midpoints between neighbouring magnitudes; a value exactly on one rounds to the even code.
 _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
+IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what quantize reads and dequantize writes
+SCALE_DTYPES = (torch.float8_e4m3fn, torch.uint8)  # what the layout functions move (uint8: raw scale bytes)
 
-def _check_blocks(x: torch.Tensor, name: str) -> None:
-    if not x.is_floating_point() or x.dim() < 1:
-        raise TypeError(f"{name}: x must be a floating-point tensor of at least one dim, got {x.dtype}")
-    if x.shape[-1] % BLOCK:
-        raise ValueError(f"{name}: the last dim must be a multiple of {BLOCK}, got {x.shape[-1]}")
+
+# --------------------------------------------------------------------------------------------------
+# input checks, shared by the references and the kernels' public functions (the same errors from both)
+# --------------------------------------------------------------------------------------------------
+
+
+def _describe(t) -> str:
+    return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _check_blocks(x, name: str, *, weights: bool = False) -> None:
+    """x (..., K), or with ``weights`` w (E, K, N): bf16 / fp16 / fp32, K a multiple of 16."""
+    what = "w (E, K, N)" if weights else "x (..., K)"
+    if not isinstance(x, torch.Tensor) or x.dtype not in IN_DTYPES:
+        raise TypeError(f"{name}: {what[0]} must be a bfloat16, float16 or float32 tensor, got {_describe(x)}")
+    if x.dim() != 3 if weights else x.dim() < 1:
+        raise ValueError(f"{name}: expected {what}, got shape {tuple(x.shape)}")
+    if x.shape[1 if weights else -1] % BLOCK:
+        raise ValueError(f"{name}: K must be a multiple of {BLOCK}, got {what} with shape {tuple(x.shape)}")
+
+
+def _check_global_scale(g, t: torch.Tensor, name: str) -> None:
+    """A 0-dim float tensor, or (E,) for a tensor t (E, ...) with one scale per leading index, on t's device."""
+    if not isinstance(g, torch.Tensor) or not g.is_floating_point():
+        raise TypeError(f"{name}: global_scale must be a floating-point tensor, got {_describe(g)}")
+    if not (g.dim() == 0 or (g.dim() == 1 and t.dim() >= 2 and g.shape[0] == t.shape[0])):
+        raise ValueError(f"{name}: global_scale must be 0-dim, or (E,) for a tensor (E, ...), got "
+                         f"{tuple(g.shape)} for {tuple(t.shape)}")
+    if g.device != t.device:
+        raise ValueError(f"{name}: global_scale is on {g.device} but the tensor is on {t.device}")
+
+
+def _check_quantized(values, scales, global_scale, dtype, name: str) -> None:
+    if not isinstance(values, torch.Tensor) or values.dtype != torch.float4_e2m1fn_x2:
+        raise TypeError(f"{name}: values must be a float4_e2m1fn_x2 tensor, got {_describe(values)}")
+    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"{name}: scales must be a float8_e4m3fn tensor, got {_describe(scales)}")
+    if dtype not in IN_DTYPES:
+        raise TypeError(f"{name}: dtype must be torch.float32, bfloat16 or float16, got {dtype}")
+    if values.dim() < 1 or values.shape[:-1] != scales.shape[:-1] or values.shape[-1] != 8 * scales.shape[-1]:
+        raise ValueError(f"{name}: values (..., K / 2) and scales (..., K / 16) do not match: "
+                         f"{tuple(values.shape)} and {tuple(scales.shape)}")
+    if values.device != scales.device:
+        raise ValueError(f"{name}: values are on {values.device} but scales on {scales.device}")
+    _check_global_scale(global_scale, values, name)
+
+
+def _check_scales(scales, ndim: int, name: str) -> None:
+    if not isinstance(scales, torch.Tensor) or scales.dtype not in SCALE_DTYPES:
+        raise TypeError(f"{name}: scales must be a float8_e4m3fn or uint8 tensor, got {_describe(scales)}")
+    if scales.dim() != ndim:
+        want = "(rows, cols)" if ndim == 2 else "(E, rows, cols)"
+        raise ValueError(f"{name}: scales must be {want}, got shape {tuple(scales.shape)}")
+
+
+def _check_offs(offs, scales: torch.Tensor, name: str) -> None:
+    if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or offs.dim() != 1:
+        raise TypeError(f"{name}: offs must be a 1-D int32 tensor, got {_describe(offs)}")
+    if offs.device != scales.device:
+        raise ValueError(f"{name}: offs is on {offs.device} but scales on {scales.device}")
 
 
 def _finite_abs(x: torch.Tensor) -> torch.Tensor:
@@ -58,7 +136,8 @@ def global_scale_ref(x: torch.Tensor, *, per_expert: bool = False) -> torch.Tens
     """amax(|x|) / (6 * 448) as fp32: a scalar, or with ``per_expert`` one per leading index (E,).
     An all-zero (or all non-finite) tensor gets 1.0, with which every value quantizes to 0."""
     a = _finite_abs(x)
-    amax = a.flatten(1).amax(1) if per_expert else a.amax()
+    a = a.flatten(1) if per_expert else a.flatten()
+    amax = F.pad(a, (0, 1)).amax(-1)  # a 0 beside the values: an empty tensor gets 1.0 too
     return torch.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(amax))
 
 
@@ -68,7 +147,7 @@ def e2m1_codes_ref(v: torch.Tensor) -> torch.Tensor:
     v = v.float()
     mag = torch.nan_to_num(v.abs(), nan=0.0).clamp(max=E2M1_MAX)
     mids = torch.tensor(_MIDPOINTS, dtype=torch.float32, device=v.device)
-    code = torch.bucketize(mag, mids)  # mids[code - 1] < mag <= mids[code]
+    code = torch.bucketize(mag.contiguous(), mids)  # mids[code - 1] < mag <= mids[code]
     tie = mag == mids[code.clamp(max=len(_MIDPOINTS) - 1)]
     code = torch.where(tie & (code % 2 == 1), code + 1, code)  # an odd code has mantissa 1: go up to even
     sign = (v < 0) & (code > 0)
@@ -99,26 +178,60 @@ def _leading(g: torch.Tensor, ndim: int) -> torch.Tensor:
     return g.float().reshape(g.shape + (1,) * (ndim - g.dim()))
 
 
-def quantize_ref(x: torch.Tensor, global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """x (..., K) float -> (values (..., K / 2) float4_e2m1fn_x2, scales (..., K / 16) float8_e4m3fn,
-    global_scale). ``global_scale``: a 0-dim fp32 tensor, or (E,) for x (E, ..., K) with one per expert;
-    computed from the whole of x when None."""
-    _check_blocks(x, "nvfp4.quantize_ref")
-    g0 = global_scale_ref(x) if global_scale is None else global_scale.float()
-    blocks = x.float().unflatten(-1, (-1, BLOCK))  # (..., K / 16, 16)
+def _quantize_blocks(blocks: torch.Tensor, g0: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """blocks (..., K / 16, 16) fp32 with their amaxes (..., K / 16, 1) -> (values, scales)."""
     g = _leading(g0, blocks.dim())
-    amax = _finite_abs(blocks).amax(-1, keepdim=True)
     scales = (amax / (E2M1_MAX * g)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     denom = scales.float() * g
     safe = torch.where(denom > 0, denom, torch.ones_like(denom))
     codes = torch.where(denom > 0, e2m1_codes_ref(blocks / safe), torch.zeros_like(blocks, dtype=torch.uint8))
-    return pack_ref(codes.flatten(-2)), scales.squeeze(-1), g0
+    return pack_ref(codes.flatten(-2)), scales.squeeze(-1)
 
 
-def dequantize_ref(values: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """(values (..., K / 2), scales (..., K / 16), global_scale () or (E,)) -> x (..., K) fp32."""
+def quantize_ref(x: torch.Tensor, global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """x (..., K) bf16 / fp16 / fp32, K % 16 == 0 -> (values (..., K / 2) float4_e2m1fn_x2, scales
+    (..., K / 16) float8_e4m3fn, global_scale). ``global_scale``: a 0-dim float tensor, or (E,) for x
+    (E, ..., K) with one per expert (returned as fp32); computed from the whole of x when None.
+    A global scale that is not positive and finite gives meaningless scales."""
+    _check_blocks(x, "nvfp4.quantize")
+    if global_scale is not None:
+        _check_global_scale(global_scale, x, "nvfp4.quantize")
+    g0 = global_scale_ref(x) if global_scale is None else global_scale.float()
+    blocks = x.float().unflatten(-1, (-1, BLOCK))  # (..., K / 16, 16)
+    values, scales = _quantize_blocks(blocks, g0, _finite_abs(blocks).amax(-1, keepdim=True))
+    return values, scales, g0
+
+
+def quantize_weights_ref(
+    w: torch.Tensor, global_scale: torch.Tensor | None = None, *, block_2d: bool = False
+) -> tuple[torch.Tensor, ...]:
+    """Weights w (E, K, N) bf16 / fp16 / fp32, K % 16 == 0, quantized along K -> (values (E, N, K / 2),
+    scales (E, N, K / 16), global_scale): the quantized ``w.mT``, K-major per expert. ``global_scale``:
+    0-dim or (E,); None computes one per expert, (E,). ``block_2d``: 16 x 16 blocks (16 columns n x 16
+    along K) share one scale, that of their amax (the NVFP4 training recipe's weight blocks; the last
+    block of a partial N holds fewer columns); the scales keep the (E, N, K / 16) shape, repeated."""
+    _check_blocks(w, "nvfp4.quantize_weights", weights=True)
+    if global_scale is not None:
+        _check_global_scale(global_scale, w, "nvfp4.quantize_weights")
+    g0 = global_scale_ref(w, per_expert=True) if global_scale is None else global_scale.float()
+    blocks = w.mT.float().unflatten(-1, (-1, BLOCK))  # (E, N, K / 16, 16)
+    amax = _finite_abs(blocks).amax(-1, keepdim=True)  # (E, N, K / 16, 1)
+    if block_2d:
+        n = amax.shape[1]
+        tiles = F.pad(amax, (0, 0, 0, 0, 0, -n % BLOCK)).unflatten(1, (-1, BLOCK)).amax(2)  # (E, N / 16, K / 16, 1)
+        amax = tiles.repeat_interleave(BLOCK, 1)[:, :n]
+    values, scales = _quantize_blocks(blocks, g0, amax)
+    return values, scales, g0
+
+
+def dequantize_ref(
+    values: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, *, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """(values (..., K / 2) float4_e2m1fn_x2, scales (..., K / 16) float8_e4m3fn, global_scale () or (E,)
+    for values (E, ..., K / 2)) -> x (..., K): (value * scale) * global_scale in fp32, then ``dtype``."""
+    _check_quantized(values, scales, global_scale, dtype, "nvfp4.dequantize")
     v = e2m1_values_ref(unpack_ref(values)).unflatten(-1, (-1, BLOCK))
-    return (v * scales.float()[..., None] * _leading(global_scale, v.dim())).flatten(-2)
+    return (v * scales.float()[..., None] * _leading(global_scale, v.dim())).flatten(-2).to(dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -143,6 +256,7 @@ def _blocked_index(rows: int, cols: int, device) -> torch.Tensor:
 
 def to_blocked_ref(scales: torch.Tensor) -> torch.Tensor:
     """(rows, cols) block scales -> the flat tiled layout (``blocked_size(rows, cols)`` elements, padding 0)."""
+    _check_scales(scales, 2, "nvfp4.to_blocked")
     rows, cols = scales.shape
     out = scales.new_zeros(blocked_size(rows, cols))
     out.view(torch.uint8)[_blocked_index(rows, cols, scales.device).flatten()] = scales.reshape(-1).view(torch.uint8)
@@ -160,6 +274,8 @@ def to_blocked_ragged_ref(scales: torch.Tensor, offs: torch.Tensor) -> torch.Ten
     """Scales (M, cols) of expert-sorted rows split by ``offs`` (E,) -> the tiled layout with each expert's
     rows starting a new 128-row tile, sized for the static bound of ``(ceil(M / 128) + E)`` row tiles
     (the tiles past the last expert's are zeros); ``ragged_row_tiles(offs)`` gives each expert's end."""
+    _check_scales(scales, 2, "nvfp4.to_blocked_ragged")
+    _check_offs(offs, scales, "nvfp4.to_blocked_ragged")
     m, cols = scales.shape
     e = offs.numel()
     bound = (-(-m // TILE_ROWS) + e) * TILE_ROWS
@@ -175,7 +291,11 @@ def to_blocked_ragged_ref(scales: torch.Tensor, offs: torch.Tensor) -> torch.Ten
 
 def to_blocked_experts_ref(scales: torch.Tensor) -> torch.Tensor:
     """Per-expert weight scales (E, rows, cols) -> (E, blocked_size(rows, cols)): each expert's own tiles."""
-    return torch.stack([to_blocked_ref(s) for s in scales])
+    _check_scales(scales, 3, "nvfp4.to_blocked_experts")
+    out = scales.new_zeros(scales.shape[0], blocked_size(*scales.shape[1:]))
+    for e, s in enumerate(scales):
+        out[e] = to_blocked_ref(s)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -197,3 +317,284 @@ def deinterleave8_ref(t: torch.Tensor) -> torch.Tensor:
     """Inverse of ``interleave8_ref``: gate/up interleaved by 8 -> [gate | up] halves."""
     pairs = t.unflatten(-1, (-1, 2, INTERLEAVE))
     return torch.cat([pairs[..., 0, :].flatten(-2), pairs[..., 1, :].flatten(-2)], dim=-1)
+
+
+# --------------------------------------------------------------------------------------------------
+# launchers (byte tensors in and out: float4 / float8 travel as uint8 views)
+# --------------------------------------------------------------------------------------------------
+
+
+def _tile(k: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_K) of the quantize, dequantize and amax kernels: BLOCK_M a multiple of 16 (the
+    16 x 16 weight blocks), BLOCK_K a power of two >= 16 and no wider than K needs."""
+    bm, bk = (16, 64) if config.is_interpreting() else (32, 128)
+    return bm, min(bk, max(BLOCK, triton.next_power_of_2(k)))
+
+
+def _tiles_per_program(tiles_per_row: int) -> int:
+    """BLOCK_T of the layout kernels: 128 x 4 tiles (512 bytes each) per program."""
+    return min(8 if config.is_interpreting() else 4, triton.next_power_of_2(max(tiles_per_row, 1)))
+
+
+def global_scale_fwd(x3: torch.Tensor) -> torch.Tensor:
+    """x3 (G, R, K) float, any strides -> (G,) fp32 global scales, ``global_scale_ref`` of each x3[g]:
+    partial amaxes from a grid of programs, then one program per group reduces them. No sync."""
+    groups, r, k = x3.shape
+    bm, bk = _tile(k)
+    programs = max(1, min(triton.cdiv(r, bm), triton.cdiv(4 * config.num_sms(x3.device), max(groups, 1))))
+    gscale = config.empty((groups,), dtype=torch.float32, device=x3.device)
+    if groups == 0:
+        return gscale
+    partial = config.empty((groups, programs), dtype=torch.float32, device=x3.device)
+    _amax_kernel[(programs, groups)](x3, partial, r, k, *x3.stride(), BLOCK_R=bm, BLOCK_K=bk, num_warps=4)
+    _global_scale_kernel[(groups,)](partial, gscale, programs, BLOCK_P=min(1024, triton.next_power_of_2(programs)))
+    return gscale
+
+
+def quantize_fwd(x3: torch.Tensor, gscale: torch.Tensor, per_group: bool, block_2d: bool):
+    """x3 (G, R, K) float, any strides; gscale (G,) fp32 when ``per_group``, else (1,) -> (values
+    (G * R, K / 2) uint8, scales (G * R, K / 16) uint8). ``block_2d``: 16 x 16 blocks over (R, K)."""
+    groups, r, k = x3.shape
+    values = config.empty((groups * r, k // 2), dtype=torch.uint8, device=x3.device)
+    scales = config.empty((groups * r, k // BLOCK), dtype=torch.uint8, device=x3.device)
+    if values.numel() == 0:
+        return values, scales
+    bm, bk = _tile(k)
+    _quantize_kernel[(triton.cdiv(r, bm), triton.cdiv(k, bk), groups)](
+        x3, values, scales, gscale,
+        r, k, *x3.stride(),
+        int(per_group),
+        BLOCK_M=bm, BLOCK_K=bk, BLOCK_2D=block_2d,
+        num_warps=4,
+    )
+    return values, scales
+
+
+def dequantize_fwd(v3: torch.Tensor, s3: torch.Tensor, gscale: torch.Tensor, per_group: bool,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """v3 (G, R, K / 2), s3 (G, R, K / 16) uint8, any strides; gscale as in ``quantize_fwd`` -> (G * R, K)."""
+    groups, r, half = v3.shape
+    k = 2 * half
+    out = config.empty((groups * r, k), dtype=dtype, device=v3.device)
+    if out.numel() == 0:
+        return out
+    bm, bk = _tile(k)
+    _dequantize_kernel[(triton.cdiv(r, bm), triton.cdiv(k, bk), groups)](
+        v3, s3, gscale, out,
+        r, k,
+        *v3.stride(), *s3.stride(),
+        int(per_group),
+        BLOCK_M=bm, BLOCK_K=bk,
+        num_warps=4,
+    )
+    return out
+
+
+def to_blocked_fwd(s3: torch.Tensor) -> torch.Tensor:
+    """s3 (E, rows, cols) uint8, any strides -> (E, blocked_size(rows, cols)) uint8."""
+    e, rows, cols = s3.shape
+    tiles_per_row = triton.cdiv(cols, TILE_COLS)
+    out = config.empty((e, blocked_size(rows, cols)), dtype=torch.uint8, device=s3.device)
+    if out.numel():
+        bt = _tiles_per_program(tiles_per_row)
+        _to_blocked_kernel[(triton.cdiv(rows, TILE_ROWS), triton.cdiv(tiles_per_row, bt), e)](
+            s3, out, rows, cols, *s3.stride(), tiles_per_row, BLOCK_T=bt, num_warps=4
+        )
+    return out
+
+
+def to_blocked_ragged_fwd(scales: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """scales (M, cols) uint8, any strides; offs (E,) int32 -> the flat ragged layout, (ceil(M / 128) + E)
+    row tiles: the grid covers that bound and each program finds its expert from offs on the device."""
+    m, cols = scales.shape
+    e = offs.numel()
+    tiles_per_row = triton.cdiv(cols, TILE_COLS)
+    row_tiles = triton.cdiv(m, TILE_ROWS) + e
+    out = config.empty((row_tiles * tiles_per_row * TILE_ROWS * TILE_COLS,), dtype=torch.uint8, device=scales.device)
+    if out.numel():
+        bt = _tiles_per_program(tiles_per_row)
+        _to_blocked_ragged_kernel[(row_tiles, triton.cdiv(tiles_per_row, bt))](
+            scales, offs, out,
+            m, cols, e, *scales.stride(), tiles_per_row,
+            BLOCK_T=bt, BLOCK_E=triton.next_power_of_2(max(e, 1)),
+            num_warps=4,
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# custom ops: what torch.compile traces (eager calls skip the custom-op dispatch and call the launchers)
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("moekit::nvfp4_global_scale", mutates_args=())
+def _global_scale_op(x3: torch.Tensor) -> torch.Tensor:
+    return global_scale_fwd(x3)
+
+
+@_global_scale_op.register_fake
+def _(x3):
+    return x3.new_empty((x3.shape[0],), dtype=torch.float32)
+
+
+@torch.library.custom_op("moekit::nvfp4_quantize", mutates_args=())
+def _quantize_op(
+    x3: torch.Tensor, gscale: torch.Tensor, per_group: bool, block_2d: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_fwd(x3, gscale, per_group, block_2d)
+
+
+@_quantize_op.register_fake
+def _(x3, gscale, per_group, block_2d):
+    g, r, k = x3.shape
+    return x3.new_empty((g * r, k // 2), dtype=torch.uint8), x3.new_empty((g * r, k // BLOCK), dtype=torch.uint8)
+
+
+@torch.library.custom_op("moekit::nvfp4_dequantize", mutates_args=())
+def _dequantize_op(
+    v3: torch.Tensor, s3: torch.Tensor, gscale: torch.Tensor, per_group: bool, dtype: torch.dtype
+) -> torch.Tensor:
+    return dequantize_fwd(v3, s3, gscale, per_group, dtype)
+
+
+@_dequantize_op.register_fake
+def _(v3, s3, gscale, per_group, dtype):
+    g, r, half = v3.shape
+    return v3.new_empty((g * r, 2 * half), dtype=dtype)
+
+
+@torch.library.custom_op("moekit::nvfp4_to_blocked", mutates_args=())
+def _to_blocked_op(s3: torch.Tensor) -> torch.Tensor:
+    return to_blocked_fwd(s3)
+
+
+@_to_blocked_op.register_fake
+def _(s3):
+    return s3.new_empty((s3.shape[0], blocked_size(*s3.shape[1:])))
+
+
+@torch.library.custom_op("moekit::nvfp4_to_blocked_ragged", mutates_args=())
+def _to_blocked_ragged_op(scales: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return to_blocked_ragged_fwd(scales, offs)
+
+
+@_to_blocked_ragged_op.register_fake
+def _(scales, offs):
+    m, cols = scales.shape
+    return scales.new_empty(((-(-m // TILE_ROWS) + offs.shape[0]) * blocked_size(TILE_ROWS, cols),))
+
+
+def _run(op, launcher, *args):
+    """The custom op while torch.compile traces; the launcher itself in eager mode, where the custom-op
+    dispatch would cost host time comparable to a small quantize."""
+    return (op if torch.compiler.is_compiling() else launcher)(*args)
+
+
+# --------------------------------------------------------------------------------------------------
+# public ops
+# --------------------------------------------------------------------------------------------------
+
+
+def _device_scale(global_scale: torch.Tensor) -> torch.Tensor:
+    """A given global scale as the kernels read it: fp32, 1-D, contiguous (no copy when it already is)."""
+    return global_scale.float().reshape(-1).contiguous()
+
+
+def quantize(x: torch.Tensor, global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """Quantize activations x (..., K) bf16 / fp16 / fp32, K % 16 == 0, to NVFP4 -> (values (..., K / 2)
+    float4_e2m1fn_x2, scales (..., K / 16) float8_e4m3fn, global_scale fp32), bit for bit
+    ``quantize_ref``.
+
+    ``global_scale``: a 0-dim float tensor, or (E,) for x (E, ..., K) with one per leading index, on x's
+    device; returned as given (as fp32). With None it is computed on the device (``global_scale_ref``
+    of all of x) and returned 0-dim. No host sync either way; with a given scale, CUDA-graph safe."""
+    _check_blocks(x, "nvfp4.quantize")
+    if global_scale is not None:
+        _check_global_scale(global_scale, x, "nvfp4.quantize")
+    if not config.uses_triton(x.device):
+        return quantize_ref(x, global_scale)
+    k = x.shape[-1]
+    per_group = global_scale is not None and global_scale.dim() == 1
+    lead = x.shape[0] if per_group else 1
+    x3 = x.reshape(lead, math.prod(x.shape[:-1]) // max(lead, 1), k)  # (G, R, K)
+    gscale = _device_scale(global_scale) if global_scale is not None else _run(_global_scale_op, global_scale_fwd, x3)
+    values, scales = _run(_quantize_op, quantize_fwd, x3, gscale, per_group, False)
+    g_out = global_scale.float() if global_scale is not None else gscale.reshape(())
+    return (values.view(torch.float4_e2m1fn_x2).view(*x.shape[:-1], k // 2),
+            scales.view(torch.float8_e4m3fn).view(*x.shape[:-1], k // BLOCK), g_out)
+
+
+def quantize_weights(
+    w: torch.Tensor, global_scale: torch.Tensor | None = None, *, block_2d: bool = False
+) -> tuple[torch.Tensor, ...]:
+    """Quantize expert weights w (E, K, N) bf16 / fp16 / fp32, K % 16 == 0, along K -> (values
+    (E, N, K / 2) float4_e2m1fn_x2, scales (E, N, K / 16) float8_e4m3fn, global_scale), bit for bit
+    ``quantize_weights_ref``: the NVFP4 tensor of ``w.mT``, K-major per expert, whatever w's strides.
+
+    ``global_scale``: 0-dim or (E,) float, on w's device; None computes one per expert on the device,
+    (E,) fp32. ``block_2d``: 16 x 16 blocks share one scale (the NVFP4 training recipe's weights)."""
+    _check_blocks(w, "nvfp4.quantize_weights", weights=True)
+    if global_scale is not None:
+        _check_global_scale(global_scale, w, "nvfp4.quantize_weights")
+    if not config.uses_triton(w.device):
+        return quantize_weights_ref(w, global_scale, block_2d=block_2d)
+    e, k, n = w.shape
+    x3 = w.mT  # (E, N, K): the kernel reads any strides
+    if global_scale is None:
+        gscale = g_out = _run(_global_scale_op, global_scale_fwd, x3)
+        per_group = True
+    else:
+        gscale, g_out, per_group = _device_scale(global_scale), global_scale.float(), global_scale.dim() == 1
+    values, scales = _run(_quantize_op, quantize_fwd, x3, gscale, per_group, block_2d)
+    return (values.view(torch.float4_e2m1fn_x2).view(e, n, k // 2),
+            scales.view(torch.float8_e4m3fn).view(e, n, k // BLOCK), g_out)
+
+
+def dequantize(
+    values: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, *, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """(values (..., K / 2) float4_e2m1fn_x2, scales (..., K / 16) float8_e4m3fn, global_scale () or (E,)
+    for values (E, ..., K / 2)) -> x (..., K) in ``dtype`` (fp32, bf16 or fp16), bit for bit
+    ``dequantize_ref``: (value * scale) * global_scale in fp32, then one rounding to ``dtype``."""
+    _check_quantized(values, scales, global_scale, dtype, "nvfp4.dequantize")
+    if not config.uses_triton(values.device):
+        return dequantize_ref(values, scales, global_scale, dtype=dtype)
+    half = values.shape[-1]
+    per_group = global_scale.dim() == 1
+    lead = values.shape[0] if per_group else 1
+    rows = math.prod(values.shape[:-1]) // max(lead, 1)
+    v3 = values.view(torch.uint8).reshape(lead, rows, half)
+    s3 = scales.view(torch.uint8).reshape(lead, rows, half // 8)
+    out = _run(_dequantize_op, dequantize_fwd, v3, s3, _device_scale(global_scale), per_group, dtype)
+    return out.view(*values.shape[:-1], 2 * half)
+
+
+def to_blocked(scales: torch.Tensor) -> torch.Tensor:
+    """Scales (rows, cols) float8_e4m3fn (or uint8) -> the flat tiled layout, ``blocked_size(rows, cols)``
+    elements of the same dtype, padding 0: bit for bit ``to_blocked_ref``."""
+    _check_scales(scales, 2, "nvfp4.to_blocked")
+    if not config.uses_triton(scales.device):
+        return to_blocked_ref(scales)
+    return _run(_to_blocked_op, to_blocked_fwd, scales.view(torch.uint8)[None]).view(scales.dtype).view(-1)
+
+
+def to_blocked_experts(scales: torch.Tensor) -> torch.Tensor:
+    """Per-expert weight scales (E, rows, cols) -> (E, blocked_size(rows, cols)), each expert's own tiles:
+    bit for bit ``to_blocked_experts_ref``."""
+    _check_scales(scales, 3, "nvfp4.to_blocked_experts")
+    if not config.uses_triton(scales.device):
+        return to_blocked_experts_ref(scales)
+    return _run(_to_blocked_op, to_blocked_fwd, scales.view(torch.uint8)).view(scales.dtype)
+
+
+def to_blocked_ragged(scales: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Scales (M, cols) of expert-sorted rows and ``offs`` (E,) int32 cumulative row ends (non-decreasing,
+    offs[-1] <= M, read on the device only) -> the tiled layout with each expert's rows starting a new
+    128-row tile, sized for the static bound of (ceil(M / 128) + E) row tiles; rows past offs[-1] and
+    the unused tiles are not laid out (zeros). Bit for bit ``to_blocked_ragged_ref``; no host sync."""
+    _check_scales(scales, 2, "nvfp4.to_blocked_ragged")
+    _check_offs(offs, scales, "nvfp4.to_blocked_ragged")
+    if not config.uses_triton(scales.device):
+        return to_blocked_ragged_ref(scales, offs)
+    out = _run(_to_blocked_ragged_op, to_blocked_ragged_fwd, scales.view(torch.uint8), offs)
+    return out.view(scales.dtype)
