@@ -138,7 +138,9 @@ def global_scale_ref(x: torch.Tensor, *, per_expert: bool = False) -> torch.Tens
     a = _finite_abs(x)
     a = a.flatten(1) if per_expert else a.flatten()
     amax = F.pad(a, (0, 1)).amax(-1)  # a 0 beside the values: an empty tensor gets 1.0 too
-    return torch.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(amax))
+    # A tensor divisor: CUDA torch turns division by a Python number into a multiplication by its
+    # reciprocal, which can differ from the correctly rounded quotient in the last bit.
+    return torch.where(amax > 0, amax / torch.full_like(amax, E2M1_MAX * E4M3_MAX), torch.ones_like(amax))
 
 
 def e2m1_codes_ref(v: torch.Tensor) -> torch.Tensor:
