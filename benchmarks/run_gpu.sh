@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # The GPU workflow in one command: the GPU test suite, then the benchmarks, with logs and tables in $OUT.
-#   bash benchmarks/run_gpu.sh [tests] [bench] [moe] [experts] [grouped_mm] [sweep] [profile]
+#   bash benchmarks/run_gpu.sh [tests] [bench] [moe] [experts] [grouped_mm] [sweep] [profile] [sanitize]
 #     (default: tests bench)
 #   tests:   python -m pytest -m gpu
 #   bench:   python -m moekit bench (all three tables and their plots)
 #   moe / experts / grouped_mm: one table alone; sweep: the grouped-GEMM config sweep;
 #   profile: per-kernel times of one gpt-oss-20b and -120b expert step.
+#   sanitize: compute-sanitizer's four tools over benchmarks/sanitize_set.py (benchmarks/sanitize.sh).
 # Optional archives, when present in the working tree:
 #   .triton/triton.tar.xz  a Triton release to run on instead of the machine's own (a slim wheel tree)
 #   .sonic/sonic.tar.xz    sonic-moe 0.1.2.post1 with its CuTe-DSL stack: the MoE table then times
 #                          SonicMoE too (each shape in a child process with a timeout)
+#   .sonic/quack/          QuACK's autotune results and compiled kernels from earlier runs: SonicMoE's
+#                          first call per shape then compiles and tunes only what is missing; the
+#                          updated folder comes back as $OUT/sonic-quack.tgz (unpack it into .sonic/)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out}
@@ -26,6 +30,9 @@ if [ -f .sonic/sonic.tar.xz ]; then
   mkdir -p /tmp/site && tar -C /tmp/site -xJf .sonic/sonic.tar.xz
   export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/site/nvidia_cutlass_dsl/python_packages
   sonic=(--sonicmoe)
+  mkdir -p .sonic/quack  # QuACK keeps both its autotune results and its compiled kernels there
+  export QUACK_CACHE_DIR=$PWD/.sonic/quack QUACK_CACHE_AUTOTUNING=1 QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-16}
+  trap 'tar -C .sonic -czf "$OUT/sonic-quack.tgz" quack' EXIT
 fi
 steps=${*:-tests bench}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
@@ -39,6 +46,7 @@ for step in $steps; do
     moe) run_bench --only moe "${sonic[@]}" | tee "$OUT/moe.log" ;;
     experts|grouped_mm) run_bench --only "$step" | tee "$OUT/$step.log" ;;
     sweep) python3 benchmarks/sweep_grouped_mm.py ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.md" ;;
+    sanitize) bash benchmarks/sanitize.sh 2>&1 | tee "$OUT/sanitize.log" ;;
     profile) for s in gpt-oss-20b gpt-oss-120b; do python3 benchmarks/profile_experts.py --shape $s; done 2>&1 \
       | tee "$OUT/profile.log" ;;
   esac

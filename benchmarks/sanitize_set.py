@@ -1,0 +1,139 @@
+"""The representative set that ``benchmarks/sanitize.sh`` runs under compute-sanitizer: every kernel
+family and path once, on tiny shapes that still hit group tails, empty experts and rows past
+``offs[-1]``. Each case runs its op forward and backward and checks the result against the float64
+reference, so a kernel that the sanitizer passes but that computes garbage still fails.
+
+``python benchmarks/sanitize_set.py [--list] [case ...]``: run the named cases (default: all) and
+print one line per case.
+
+The cases:
+- ``gemm_tma``: 2D x 3D grouped GEMM on the TMA / warp-specialized path (bf16, aligned K and N), its
+  dgrad and its ragged-K weight gradient, with an empty expert and rows past ``offs[-1]``;
+- ``gemm_pointer``: the same on the pointer-load path (K and N not 16-byte aligned), fp16;
+- ``gemm_wgrad_empty``: ragged-K with every group but one empty;
+- ``moe_plain``: the MoE block with plain SwiGLU and no biases (router, routing scan, permute-free
+  up-projection with row scales, fused down-projection, plain combine, dSwiGLU, the row scatter);
+- ``moe_gpt_oss``: the gpt-oss block (biases, the gpt-oss SwiGLU, the weighted combine and its
+  weight gradient, the ones column that hands db_up to the weight-gradient GEMM);
+- ``nvfp4``: quantize with an amax on the device, dequantize, and the ragged tiled scale layout.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import moekit
+from moekit import nvfp4
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the references (a smoke test of this file)
+
+
+def _offs(counts):
+    return torch.tensor(counts, device=DEV, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+
+def _check(got, want, what, tol):
+    err = ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+    if not err <= tol:
+        raise AssertionError(f"{what}: relative error {err:.2e} > {tol:.0e}")
+
+
+def _gemm_case(k, n, dtype, counts, rows):
+    torch.manual_seed(0)
+    e = len(counts)
+    offs = _offs(counts)
+    a = torch.randn(rows, k, device=DEV, dtype=dtype, requires_grad=True)
+    w = torch.randn(e, k, n, device=DEV, dtype=dtype, requires_grad=True)
+    out = moekit.grouped_mm(a, w, offs)
+    dout = torch.randn_like(out)
+    da, dw = torch.autograd.grad(out, (a, w), dout)
+    a64, w64 = a.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = moekit.grouped_mm_ref(a64, w64, offs)
+    dref = torch.autograd.grad(ref, (a64, w64), dout.double())
+    _check(out, ref, "grouped_mm", 1e-2)
+    _check(da, dref[0], "grouped_mm dgrad", 1e-2)
+    _check(dw, dref[1], "grouped_mm wgrad", 1e-2)
+    if rows > int(offs[-1]):
+        assert torch.all(out[int(offs[-1]):] == 0), "rows past offs[-1] are not zero"
+
+
+def gemm_tma():
+    _gemm_case(128, 192, torch.bfloat16, [70, 0, 129, 1, 64], 300)
+
+
+def gemm_pointer():
+    _gemm_case(72, 40, torch.float16, [33, 0, 65, 7], 120)
+
+
+def gemm_wgrad_empty():
+    torch.manual_seed(1)
+    offs = _offs([0, 0, 97, 0])
+    a = torch.randn(64, 120, device=DEV, dtype=torch.bfloat16)  # (M, Kt)
+    b = torch.randn(120, 80, device=DEV, dtype=torch.bfloat16)  # (Kt, N)
+    out = moekit.grouped_mm(a, b, offs)
+    _check(out, moekit.grouped_mm_ref(a.double(), b.double(), offs), "ragged-K grouped_mm", 1e-2)
+    assert torch.all(out[[0, 1, 3]] == 0), "an empty group's weight gradient is not zero"
+
+
+def _moe_case(**kw):
+    torch.manual_seed(2)
+    d, f, e, k, t = 128, 192, 8, 2, 77
+    moe = moekit.MoE(d, f, e, k, device=DEV, dtype=torch.bfloat16, **kw)
+    x = torch.randn(t, d, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    y = moe(x)
+    grads = torch.autograd.grad(y, [x, *moe.parameters()], torch.randn_like(y))
+    assert torch.isfinite(y).all() and all(torch.isfinite(g).all() for g in grads), "non-finite output"
+
+
+def moe_plain():
+    _moe_case(bias=False, router_bias=False, activation="swiglu")
+
+
+def moe_gpt_oss():
+    _moe_case()
+
+
+def nvfp4_case():
+    torch.manual_seed(3)
+    x = torch.randn(200, 96, device=DEV, dtype=torch.bfloat16)
+    values, scales, g = nvfp4.quantize(x)
+    ref = nvfp4.quantize_ref(x)
+    assert torch.equal(values.view(torch.uint8), ref[0].view(torch.uint8)), "nvfp4 values"
+    assert torch.equal(scales.view(torch.uint8), ref[1].view(torch.uint8)), "nvfp4 scales"
+    assert torch.equal(nvfp4.dequantize(values, scales, g), nvfp4.dequantize_ref(*ref)), "nvfp4 dequantize"
+    offs = _offs([50, 0, 129, 1])  # rows 180-199 are past offs[-1]
+    got = nvfp4.to_blocked_ragged(scales, offs)
+    assert torch.equal(got.view(torch.uint8), nvfp4.to_blocked_ragged_ref(scales, offs).view(torch.uint8))
+
+
+CASES = {
+    "gemm_tma": gemm_tma,
+    "gemm_pointer": gemm_pointer,
+    "gemm_wgrad_empty": gemm_wgrad_empty,
+    "moe_plain": moe_plain,
+    "moe_gpt_oss": moe_gpt_oss,
+    "nvfp4": nvfp4_case,
+}
+
+
+def main(argv: list[str]) -> int:
+    if "--list" in argv:
+        print(" ".join(CASES))
+        return 0
+    failed = 0
+    for name in argv or list(CASES):
+        try:
+            CASES[name]()
+            if DEV == "cuda":
+                torch.cuda.synchronize()
+            print(f"{name}: ok", flush=True)
+        except Exception as exc:  # report and go on: one case's failure must not hide the others'
+            failed += 1
+            print(f"{name}: FAILED {type(exc).__name__}: {exc}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
