@@ -4,8 +4,10 @@ SonicMoE (package ``sonicmoe`` 0.1.2.post1, CuTe-DSL kernels from Tri Dao's lab)
 process with a wall-clock timeout, because:
 
 - run in the same process after moekit's kernels, it can hang for over 9 minutes;
-- its first call per shape autotunes every QuACK GEMM, compiling each candidate configuration in worker
-  processes: from 25 s to over 3 minutes per shape.
+- its first call per shape autotunes each of the block's six QuACK GEMMs, compiling every candidate
+  configuration in worker processes: 30-140 s per GEMM on an H100 machine's 16 cores, so minutes per
+  shape unless QuACK's cache (``QUACK_CACHE_DIR``, which ``benchmarks/run_gpu.sh`` sets) already holds
+  the shape's results.
 
 A hang or a crash therefore becomes a row status (``"timeout after N s"``, ``"error: ..."``), never a hung
 benchmark. What is compared: SonicMoE's whole ``MoE`` block with plain SwiGLU, no biases and its own
