@@ -1,0 +1,89 @@
+"""The NVFP4 grouped GEMM, emulated for GPUs without FP4 tensor cores (Hopper): ``moekit.nvfp4_gemm``.
+
+``_grouped_mm_nvfp4_kernel``: ``c[rows_g] = (a[rows_g] @ w[g]^T) * a_global * w_global[g]`` with both
+operands in NVFP4 (packed e2m1 codes + one e4m3 scale per 16 elements along K). Each K step loads the
+packed bytes and the scale bytes of an A tile and a W tile, decodes them in registers to
+``e2m1 value * e4m3 block scale`` and feeds ``tl.dot`` with an fp32 accumulator; the two global scales
+multiply the accumulator in the epilogue.
+
+Why the decoded operand is exact in bf16: an e2m1 value has at most 2 significant bits, an e4m3 scale
+at most 4 (fewer when subnormal), so their product has at most 6 and lies in [2^-10, 2688], well
+inside bf16's 8-bit significand and fp32's exponent range. The product is formed in fp32 (exact) and
+the cast to bf16 does not round. The products of two decoded operands (<= 12 bits) are exact in the
+fp32 accumulator as well; the only roundings are the accumulation's, the global-scale multiply's and
+the output cast's.
+
+The tile schedule is the rows-ragged one of ``_kernels/grouped_gemm.py`` (``_group_table``/``_locate``):
+built from ``offs`` in registers by every persistent program, never read by the host. Group E covers
+the rows [offs[-1], M) and writes zeros.
+"""
+
+import triton
+import triton.language as tl
+
+from .grouped_gemm import _group_table, _locate, _store_rows
+from .nvfp4 import _e2m1_value, _e4m3_value
+
+
+@triton.jit
+def _load_nvfp4(
+    values, scales,  # one operand's bytes: values (rows, K / 2), scales (rows, K / 16) uint8, strided
+    row, k, row_end, K,
+    stride_vr, stride_vk, stride_sr, stride_sk,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, OP_DTYPE: tl.constexpr,
+):
+    """The [BLOCK_R, BLOCK_K] tile at (row, k) decoded to e2m1 value * block scale in ``OP_DTYPE``
+    (exact: module docstring). Rows >= row_end and columns >= K read as 0 (a zero code and scale)."""
+    NB: tl.constexpr = BLOCK_K // 16
+    rows = row + tl.arange(0, BLOCK_R)
+    r64 = rows[:, None].to(tl.int64)
+    row_ok = (rows < row_end)[:, None]
+    vcols = k // 2 + tl.arange(0, BLOCK_K // 2)
+    b = tl.load(values + r64 * stride_vr + vcols[None, :].to(tl.int64) * stride_vk,
+                mask=row_ok & (vcols < K // 2)[None, :], other=0).to(tl.int32)
+    v = _e2m1_value(tl.reshape(tl.join(b & 15, b >> 4), [BLOCK_R, BLOCK_K]))  # the even element is the low nibble
+    scols = k // 16 + tl.arange(0, NB)
+    sc = tl.load(scales + r64 * stride_sr + scols[None, :].to(tl.int64) * stride_sk,
+                 mask=row_ok & (scols < K // 16)[None, :], other=0).to(tl.int32)
+    x = tl.reshape(v, [BLOCK_R, NB, 16]) * _e4m3_value(sc)[:, :, None]
+    return tl.reshape(x, [BLOCK_R, BLOCK_K]).to(OP_DTYPE)
+
+
+@triton.jit
+def _grouped_mm_nvfp4_kernel(
+    a_values, a_scales, a_global,  # (M, K / 2), (M, K / 16) uint8 strided; () fp32
+    w_values, w_scales, w_global,  # (E, N, K / 2), (E, N, K / 16) uint8 strided; (E,) fp32 strided
+    c, offs_ptr,  # c (M, N), unit column stride; offs (E,) int32 cumulative row ends
+    M, N, K, E,
+    stride_avm, stride_avk, stride_asm, stride_ask,
+    stride_wve, stride_wvn, stride_wvk, stride_wse, stride_wsn, stride_wsk, stride_wg,
+    stride_cm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
+    OP_DTYPE: tl.constexpr,  # bf16 on a GPU; fp32 on the interpreter, whose bf16 tl.dot is wrong
+):
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    e, starts, ends, tiles, tiles_end, total = _group_table(offs_ptr, M, E, tiles_n, BLOCK_M, BLOCK_E)
+    ag = tl.load(a_global)
+
+    for tile in tl.range(tl.program_id(0), total, tl.num_programs(0)):
+        g, start, end, row, pid_n = _locate(tile, e, starts, ends, tiles, tiles_end, tiles_n, BLOCK_M, GROUP_M)
+        col = pid_n * BLOCK_N
+        real = g < E  # group E is the tail [offs[-1], M): no K steps, zeros
+        ge = tl.minimum(g, E - 1).to(tl.int64)
+        wv = w_values + ge * stride_wve
+        ws = w_scales + ge * stride_wse
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(tl.where(real, k_tiles, 0)):
+            k = ki * BLOCK_K
+            a_tile = _load_nvfp4(a_values, a_scales, row, k, end, K, stride_avm, stride_avk, stride_asm, stride_ask,
+                                 BLOCK_M, BLOCK_K, OP_DTYPE)
+            w_tile = _load_nvfp4(wv, ws, col, k, N, K, stride_wvn, stride_wvk, stride_wsn, stride_wsk,
+                                 BLOCK_N, BLOCK_K, OP_DTYPE)
+            acc = tl.dot(a_tile, w_tile.T, acc)
+        # the global scales multiply the fp32 accumulator: their product first, then one multiply,
+        # as the reference does (in float64 there)
+        scale = ag * tl.load(w_global + ge * stride_wg)
+        acc = tl.where(real, acc * scale, 0.0)  # the tail is 0 even for a non-finite global scale
+        _store_rows(c, stride_cm, end, row, col, N, acc, BLOCK_M, BLOCK_N, False)

@@ -1,0 +1,233 @@
+"""``grouped_mm_nvfp4``: the rows-ragged (2D x 3D) grouped GEMM on NVFP4 operands, forward only.
+
+Reads as: reference (``grouped_mm_nvfp4_ref``) -> kernel (``_kernels/nvfp4_gemm.py``) -> launcher
+(``grouped_mm_nvfp4_fwd``) -> custom op ``moekit::grouped_mm_nvfp4`` with a fake -> public
+``grouped_mm_nvfp4``. No autograd: the op is a forward GEMM (inference, or the forward pass of an
+NVFP4 training step whose backward runs elsewhere); its inputs are integer-coded and carry no gradient.
+
+Hopper has no FP4 tensor cores, so the kernel emulates them: it reads the packed operands (a quarter
+of bf16's bytes, plus 1/16 for the scales), decodes them exactly to bf16 in registers and runs bf16
+``tl.dot`` with fp32 accumulation (why the decode is exact: ``_kernels/nvfp4_gemm.py``).
+
+Legend: M rows (tokens routed to experts, expert-sorted), N output columns, K reduction length,
+E experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import config
+from ._kernels.nvfp4_gemm import _grouped_mm_nvfp4_kernel
+from .nvfp4 import BLOCK, e2m1_values_ref, unpack_ref
+from .reference import _bounds
+
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FP4, E4M3 = torch.float4_e2m1fn_x2, torch.float8_e4m3fn
+
+# --------------------------------------------------------------------------------------------------
+# input checks: the reference and the kernel path raise the same errors
+# --------------------------------------------------------------------------------------------------
+
+_NAME = "grouped_mm_nvfp4"
+
+
+def _describe(t) -> str:
+    return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _check_dtype(t, name: str, dtype: torch.dtype) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+        raise TypeError(f"{_NAME}: {name} must be a {dtype} tensor, got {_describe(t)}")
+
+
+def check_inputs(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out_dtype) -> None:
+    """Dtypes, shapes, K % 16 and devices: everything that needs no host sync (see ``grouped_mm_nvfp4``)."""
+    for t, name, dtype in (
+        (a_values, "a_values", FP4), (a_scales, "a_scales", E4M3), (a_global, "a_global", torch.float32),
+        (w_values, "w_values", FP4), (w_scales, "w_scales", E4M3), (w_global, "w_global", torch.float32),
+        (offs, "offs", torch.int32),
+    ):
+        _check_dtype(t, name, dtype)
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"{_NAME}: out_dtype must be torch.bfloat16, float16 or float32, got {out_dtype}")
+    if a_values.dim() != 2 or w_values.dim() != 3:
+        raise ValueError(f"{_NAME}: expected a_values (M, K / 2) and w_values (E, N, K / 2), got "
+                         f"{tuple(a_values.shape)} and {tuple(w_values.shape)}")
+    k = 2 * a_values.shape[1]
+    if k % BLOCK:
+        raise ValueError(f"{_NAME}: K must be a multiple of {BLOCK}, got K = {k} (a_values {tuple(a_values.shape)})")
+    if w_values.shape[2] != a_values.shape[1]:
+        raise ValueError(f"{_NAME}: K mismatch, a_values {tuple(a_values.shape)} vs w_values {tuple(w_values.shape)}")
+    m, (e, n, _) = a_values.shape[0], w_values.shape
+    for t, name, want in ((a_scales, "a_scales", (m, k // BLOCK)), (w_scales, "w_scales", (e, n, k // BLOCK))):
+        if tuple(t.shape) != want:
+            raise ValueError(f"{_NAME}: {name} must be {want} (one scale per {BLOCK} elements along K), "
+                             f"got {tuple(t.shape)}")
+    if a_global.dim() != 0:
+        raise ValueError(f"{_NAME}: a_global must be 0-dim, got shape {tuple(a_global.shape)}")
+    if tuple(w_global.shape) != (e,):
+        raise ValueError(f"{_NAME}: w_global must be (E,) = ({e},), got shape {tuple(w_global.shape)}")
+    if offs.dim() != 1 or offs.shape[0] != e:
+        raise ValueError(f"{_NAME}: offs must be 1-D with E = {e} entries, got shape {tuple(offs.shape)}")
+    if e == 0:
+        raise ValueError(f"{_NAME}: there must be at least one expert (E >= 1)")
+    for t, name in ((a_scales, "a_scales"), (a_global, "a_global"), (w_values, "w_values"),
+                    (w_scales, "w_scales"), (w_global, "w_global"), (offs, "offs")):
+        if t.device != a_values.device:
+            raise ValueError(f"{_NAME}: {name} is on {t.device} but a_values on {a_values.device}")
+
+
+# --------------------------------------------------------------------------------------------------
+# reference
+# --------------------------------------------------------------------------------------------------
+
+
+def _decode64(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(..., K / 2) e2m1 codes and (..., K / 16) e4m3 scales -> (..., K) float64 value * scale (exact)."""
+    v = e2m1_values_ref(unpack_ref(values)).double().unflatten(-1, (-1, BLOCK))
+    return (v * scales.double()[..., None]).flatten(-2)
+
+
+def grouped_mm_nvfp4_ref(
+    a_values: torch.Tensor,
+    a_scales: torch.Tensor,
+    a_global: torch.Tensor,
+    w_values: torch.Tensor,
+    w_scales: torch.Tensor,
+    w_global: torch.Tensor,
+    offs: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Reference for ``grouped_mm_nvfp4`` (same arguments, same errors): the operands decoded to
+    ``e2m1 value * e4m3 scale`` in float64 (exact), one float64 matmul per expert, times
+    ``a_global * w_global[g]`` in float64, one rounding to ``out_dtype``. Rows past offs[-1] are 0.
+    Reads ``offs`` on the host (a sync; the kernel path never does)."""
+    check_inputs(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out_dtype)
+    m, n = a_values.shape[0], w_values.shape[1]
+    a = _decode64(a_values, a_scales)  # (M, K)
+    out = torch.zeros(m, n, dtype=torch.float64, device=a_values.device)
+    for g, (start, end) in enumerate(_bounds(offs, m)):
+        if end > start:
+            w = _decode64(w_values[g], w_scales[g])  # (N, K), one expert at a time
+            out[start:end] = (a[start:end] @ w.T) * (a_global.double() * w_global[g].double())
+    return out.to(out_dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# launcher
+# --------------------------------------------------------------------------------------------------
+
+def grouped_mm_nvfp4_fwd(
+    a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out_dtype,
+    cfg: config.TileConfig | None = None,
+) -> torch.Tensor:
+    """Launch the kernel on validated inputs; float4 / float8 tensors or their uint8 views (any strides,
+    the output's column stride 1). ``cfg`` pins a tile (tests); BLOCK_K must be a power of two >= 16."""
+    (m, half), (e, n, _) = a_values.shape, w_values.shape
+    k = 2 * half
+    out = config.empty((m, n), dtype=out_dtype, device=a_values.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    cfg = cfg or config.nvfp4_gemm_config(m, e, a_values.device)
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    if bk % BLOCK or bk & (bk - 1):
+        raise ValueError(f"{_NAME}: block_k must be a power of two and a multiple of {BLOCK}, got {bk}")
+    max_tiles = (triton.cdiv(m, bm) + e + 1) * triton.cdiv(n, bn)  # each expert adds <= 1 partial row tile
+    programs = min(config.num_sms(a_values.device) * cfg.programs_per_sm, max_tiles)
+    av, asc = a_values.view(torch.uint8), a_scales.view(torch.uint8)
+    wv, wsc = w_values.view(torch.uint8), w_scales.view(torch.uint8)
+    _grouped_mm_nvfp4_kernel[(programs,)](
+        av, asc, a_global,
+        wv, wsc, w_global,
+        out, offs,
+        m, n, k, e,
+        *av.stride(), *asc.stride(),
+        *wv.stride(), *wsc.stride(), w_global.stride(0),
+        out.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(e + 1),
+        OP_DTYPE=tl.float32 if config.is_interpreting() else tl.bfloat16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# custom op: what torch.compile traces (float4 / float8 travel as uint8 views)
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("moekit::grouped_mm_nvfp4", mutates_args=())
+def _grouped_mm_nvfp4_op(
+    a_values: torch.Tensor, a_scales: torch.Tensor, a_global: torch.Tensor,
+    w_values: torch.Tensor, w_scales: torch.Tensor, w_global: torch.Tensor,
+    offs: torch.Tensor, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return grouped_mm_nvfp4_fwd(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out_dtype)
+
+
+@_grouped_mm_nvfp4_op.register_fake
+def _(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out_dtype):
+    return a_values.new_empty((a_values.shape[0], w_values.shape[1]), dtype=out_dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# public op
+# --------------------------------------------------------------------------------------------------
+
+
+def grouped_mm_nvfp4(
+    a_values: torch.Tensor,
+    a_scales: torch.Tensor,
+    a_global: torch.Tensor,
+    w_values: torch.Tensor,
+    w_scales: torch.Tensor,
+    w_global: torch.Tensor,
+    offs: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Grouped GEMM of NVFP4 activations with NVFP4 expert weights, rows ragged by expert. Forward only.
+
+    ``out[offs[g-1]:offs[g]] = dequant(a)[offs[g-1]:offs[g]] @ dequant(w[g])^T`` (offs[-1] := 0 before
+    the first group) -> (M, N) ``out_dtype`` (bf16 by default, fp16 or fp32); rows at or past
+    ``offs[-1]`` are **zero**, as in ``moekit.grouped_mm``.
+
+    Operands, all on one device (K a multiple of 16; each block of 16 consecutive elements along K
+    shares one scale; codes packed two per byte, the even element in the low nibble):
+
+    - ``a_values`` (M, K / 2) ``float4_e2m1fn_x2``, ``a_scales`` (M, K / 16) ``float8_e4m3fn`` in plain
+      row-major form (not the swizzled tile layout), ``a_global`` 0-dim fp32: the activations, quantized
+      along K, expert-sorted rows, as ``nvfp4.quantize(x)`` returns them for x (M, K);
+    - ``w_values`` (E, N, K / 2), ``w_scales`` (E, N, K / 16), ``w_global`` (E,) fp32: each expert's
+      (K, N) weight quantized along K and stored K-major, as ``nvfp4.quantize_weights(w)`` returns them
+      for w (E, K, N);
+    - ``offs`` (E,) int32 cumulative row ends on the device, non-decreasing, offs[-1] <= M (never read
+      by the host; out-of-range values are clamped as in ``grouped_mm``).
+
+    Any strides are accepted. Numerics: ``e2m1 * e4m3`` products are exact in bf16, so the result is
+    ``sum_K (a value * a scale) * (w value * w scale)`` accumulated in fp32, times
+    ``a_global * w_global[g]`` in fp32, rounded once to ``out_dtype``; ``grouped_mm_nvfp4_ref`` computes
+    the same in float64. A NaN scale code (0x7F / 0xFF, which ``nvfp4.quantize`` never writes) gives
+    NaN in its rows.
+
+    Runs the Triton kernel on CUDA (and under ``TRITON_INTERPRET=1``): no host sync, CUDA-graph safe;
+    elsewhere (or with the ``reference`` option) the pure-PyTorch ``grouped_mm_nvfp4_ref``. Under
+    torch.compile it is the custom op ``moekit::grouped_mm_nvfp4``.
+    """
+    check_inputs(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out_dtype)
+    if not config.uses_triton(a_values.device):
+        return grouped_mm_nvfp4_ref(a_values, a_scales, a_global, w_values, w_scales, w_global, offs,
+                                    out_dtype=out_dtype)
+    args = (a_values.view(torch.uint8), a_scales.view(torch.uint8), a_global,
+            w_values.view(torch.uint8), w_scales.view(torch.uint8), w_global, offs, out_dtype)
+    if torch.compiler.is_compiling():
+        return _grouped_mm_nvfp4_op(*args)
+    # eager calls skip the custom-op dispatch's host overhead, as the other ops do
+    return grouped_mm_nvfp4_fwd(*args)

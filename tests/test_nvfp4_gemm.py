@@ -1,0 +1,286 @@
+"""grouped_mm_nvfp4: the Triton kernel under the interpreter (CPU) and its reference, both against an
+independent float64 oracle; the decode bit-exact on every e4m3 scale code; the edge cases of the
+rows-ragged schedule; identical errors from both paths; opcheck of the custom op. ``-m gpu``: moderate
+sizes, no host sync, CUDA-graph capture, torch.compile. Outputs start NaN-poisoned (conftest)."""
+
+import pytest
+import torch
+
+import moekit
+from moekit import config, nvfp4
+from moekit.nvfp4_gemm import _grouped_mm_nvfp4_op, grouped_mm_nvfp4, grouped_mm_nvfp4_fwd, grouped_mm_nvfp4_ref
+from moekit.testing import offs_from_counts
+
+FP4, E4M3, U8 = torch.float4_e2m1fn_x2, torch.float8_e4m3fn, torch.uint8
+BF16, F32 = torch.bfloat16, torch.float32
+DEV = "cuda"
+gpu = pytest.mark.gpu
+
+# code c -> e2m1 value (bit 3 the sign): the oracle's own table, not the package's decoder
+_E2M1 = torch.tensor(nvfp4.E2M1_VALUES + tuple(-v for v in nvfp4.E2M1_VALUES), dtype=torch.float64)
+
+
+# --------------------------------------------------------------------------------------------------
+# inputs and the oracle
+# --------------------------------------------------------------------------------------------------
+
+
+def _operands(counts, m, k, n, device="cpu"):
+    """Activations (M, K) and weights (E, K, N) of very different block magnitudes (so that block scales
+    span a wide range, subnormal e4m3 included), quantized by the references."""
+    offs = offs_from_counts(counts, device)
+    x = torch.randn(m, k, device=device) * torch.logspace(-5, 1, k, device=device)[torch.randperm(k, device=device)]
+    w = torch.randn(len(counts), k, n, device=device) * torch.logspace(-4, 0, n, device=device)
+    return (*nvfp4.quantize_ref(x), *nvfp4.quantize_weights_ref(w), offs)
+
+
+def _decode(values, scales):
+    b = values.view(U8).long()
+    codes = torch.stack([b & 15, b >> 4], dim=-1).flatten(-2)  # the even element is the low nibble
+    return _E2M1.to(values.device)[codes] * scales.double().repeat_interleave(16, dim=-1)
+
+
+def _oracle(a_values, a_scales, a_global, w_values, w_scales, w_global, offs):
+    """float64 (want, |a| @ |w|^T * |scale|) of every row; rows past offs[-1] are 0."""
+    a, w = _decode(a_values, a_scales), _decode(w_values, w_scales)
+    want = torch.zeros(a.shape[0], w.shape[1], dtype=torch.float64, device=a.device)
+    absdot = torch.zeros_like(want)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        scale = a_global.double() * w_global[g].double()
+        want[start:end] = a[start:end] @ w[g].T * scale
+        absdot[start:end] = a[start:end].abs() @ w[g].T.abs() * scale.abs()
+        start = end
+    return want, absdot
+
+
+def _assert_matches_oracle(out, args):
+    """|out - want| <= the output rounding (half an ulp, relative) + a K-term fp32 accumulation bound."""
+    want, absdot = _oracle(*args)
+    k = 2 * args[0].shape[1]
+    rounding = {BF16: 2**-8, torch.float16: 2**-11, F32: 0.0}[out.dtype]
+    accumulation = (k + 4) * 2**-23 * absdot  # fp32 sums of exact products, and the global-scale multiplies
+    tol = rounding * (want.abs() + accumulation) + accumulation + (2**-25 if out.dtype == torch.float16 else 0.0)
+    assert out.shape == want.shape and torch.isfinite(out).all()
+    err = (out.double() - want).abs()
+    assert (err <= tol).all(), (float(err.max()), float((err - tol).max()), (err > tol).nonzero()[:8].tolist())
+    end = int(args[-1][-1]) if args[-1].numel() else 0
+    assert (out[end:] == 0).all(), "rows past offs[-1] must be exactly zero"
+
+
+# --------------------------------------------------------------------------------------------------
+# the interpreter and the reference against the oracle
+# --------------------------------------------------------------------------------------------------
+
+# (counts per expert, M, K, N) and why the case exists
+CASES = [
+    pytest.param([9, 0, 14, 5], 28, 64, 40, id="uneven-with-empty"),  # two K steps, N past the 32-wide tile
+    pytest.param([0, 0, 33, 0], 33, 32, 32, id="one-hot"),  # every row on one expert, the others empty
+    pytest.param([7, 0, 4], 20, 48, 24, id="tail-rows"),  # rows past offs[-1]; a partial last K step
+    pytest.param([13, 11, 13], 37, 16, 33, id="odd-m-n"),  # odd M and N, one scale block (K < BLOCK_K)
+    pytest.param([0, 0], 0, 32, 16, id="m-zero"),  # no rows at all
+    pytest.param([0, 0], 10, 16, 8, id="all-tail"),  # rows, but no expert owns any: all zeros
+    pytest.param([1], 1, 16, 8, id="one-row"),  # T = 1, E = 1
+    pytest.param([3, 0, 2, 5, 1, 0, 4, 2, 1], 20, 32, 16, id="e9"),  # many experts, E + 1 not a power of 2
+]
+
+
+@pytest.mark.parametrize("counts, m, k, n", CASES)
+def test_kernel_and_reference_match_the_oracle(interpreter, counts, m, k, n):
+    args = _operands(counts, m, k, n)
+    if m > sum(counts):  # NaN scale codes in the rows no expert owns: they must not reach the output
+        args[1].view(U8)[sum(counts):] = 0x7F
+    out = grouped_mm_nvfp4(*args)
+    assert out.dtype == BF16
+    _assert_matches_oracle(out, args)
+    _assert_matches_oracle(grouped_mm_nvfp4_ref(*args), args)
+
+
+@pytest.mark.parametrize("out_dtype", [F32, torch.float16])
+def test_other_output_dtypes(interpreter, out_dtype):
+    args = _operands([6, 0, 11], 19, 32, 24)
+    _assert_matches_oracle(grouped_mm_nvfp4(*args, out_dtype=out_dtype), args)
+    _assert_matches_oracle(grouped_mm_nvfp4_ref(*args, out_dtype=out_dtype), args)
+
+
+# pinned tiles, and the code path each one covers
+PINNED = [
+    pytest.param(config.TileConfig(16, 16, 16, group_m=4, num_warps=4, num_stages=1), id="bk16-swizzle"),
+    pytest.param(config.TileConfig(32, 64, 64, group_m=1, num_warps=4, num_stages=1), id="bk-wider-than-k"),
+]
+
+
+@pytest.mark.parametrize("cfg", PINNED)
+def test_pinned_tiles(interpreter, cfg):
+    args = _operands([40, 0, 9], 52, 48, 40)
+    _assert_matches_oracle(grouped_mm_nvfp4_fwd(*args, BF16, cfg=cfg), args)
+
+
+def test_the_decode_is_exact_for_every_scale_code(interpreter):
+    """One scale block (K = 16): every finite e4m3 code (subnormals, 448 and the negatives) on A's rows,
+    a spread of them on W's, random e2m1 codes and power-of-two global scales. Every partial sum is
+    then a multiple of sa * sw / 4 with at most 20 significant bits, so an exact decode gives the
+    oracle's fp32 value bit for bit."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=U8)  # 254: no NaN codes
+    m, n, e = codes.numel(), 24, 2
+    a_scales = codes[:, None].view(E4M3)
+    w_scales = codes[torch.randperm(m)[: e * n]].view(e, n, 1).view(E4M3)
+    a_values = torch.randint(0, 256, (m, 8), dtype=U8).view(FP4)
+    w_values = torch.randint(0, 256, (e, n, 8), dtype=U8).view(FP4)
+    args = (a_values, a_scales, torch.tensor(2.0**-3), w_values, w_scales, torch.tensor([2.0**5, 0.5]),
+            torch.tensor([100, m], dtype=torch.int32))
+    want = _oracle(*args)[0].float()
+    for got in (grouped_mm_nvfp4(*args, out_dtype=F32), grouped_mm_nvfp4_ref(*args, out_dtype=F32)):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (got - want).abs().max()
+
+
+def test_any_strides(interpreter):
+    """Column-sliced values, column-major scales and a strided w_global give the contiguous result."""
+    args = _operands([5, 12], 20, 32, 16)
+    a_v, a_s, a_g, w_v, w_s, w_g, offs = args
+    wide = torch.randint(0, 256, (20, 24), dtype=U8)
+    wide[:, :16] = a_v.view(U8)
+    a_s_t = a_s.view(U8).T.contiguous().T.view(E4M3)
+    w_v_sliced = torch.cat([w_v.view(U8), torch.randint(0, 256, (2, 3, 16), dtype=U8)], dim=1)[:, :16]
+    w_g_strided = torch.stack([w_g, torch.full_like(w_g, float("nan"))], dim=1)[:, 0]
+    strided = (wide[:, :16].view(FP4), a_s_t, a_g, w_v_sliced.view(FP4), w_s, w_g_strided, offs)
+    assert not strided[0].is_contiguous() and not strided[1].is_contiguous() and not strided[5].is_contiguous()
+    assert torch.equal(grouped_mm_nvfp4(*strided).view(torch.int16), grouped_mm_nvfp4(*args).view(torch.int16))
+
+
+# --------------------------------------------------------------------------------------------------
+# errors: the same type and message from the reference, the kernel path and the reference option
+# --------------------------------------------------------------------------------------------------
+
+
+def _bad(i, value):
+    """Replace argument i of a small valid call."""
+    def edit(args):
+        args = list(args)
+        args[i] = value(args[i]) if callable(value) else value
+        return args
+    return edit
+
+
+META = torch.device("meta")
+# (how to break a valid call, the error, a piece of its message)
+ERRORS = [
+    pytest.param(_bad(0, lambda t: t.view(U8)), TypeError, "a_values must be a torch.float4", id="a-values-dtype"),
+    pytest.param(_bad(1, lambda t: t.float()), TypeError, "a_scales must be a torch.float8", id="a-scales-dtype"),
+    pytest.param(_bad(2, lambda t: t.double()), TypeError, "a_global must be a torch.float32", id="a-global-dtype"),
+    pytest.param(_bad(5, lambda t: t.bfloat16()), TypeError, "w_global must be", id="w-global-dtype"),
+    pytest.param(_bad(6, lambda t: t.long()), TypeError, "offs must be a torch.int32", id="offs-int64"),
+    pytest.param(_bad(6, None), TypeError, "offs must be a torch.int32 tensor, got NoneType", id="offs-none"),
+    pytest.param(_bad(6, lambda t: t[None]), ValueError, "offs must be 1-D", id="offs-2d"),
+    pytest.param(_bad(6, lambda t: t[:1]), ValueError, "with E = 2 entries", id="offs-length"),
+    pytest.param(_bad(0, lambda t: t[None]), ValueError, "expected a_values", id="a-values-3d"),
+    pytest.param(_bad(0, lambda t: t[:, :4]), ValueError, "multiple of 16, got K = 8", id="k-not-16"),
+    pytest.param(_bad(3, lambda t: t[..., :8]), ValueError, "K mismatch", id="k-mismatch"),
+    pytest.param(_bad(1, lambda t: t[:, :1]), ValueError, "a_scales must be (20, 2)", id="a-scales-shape"),
+    pytest.param(_bad(4, lambda t: t[:, :3]), ValueError, "w_scales must be (2, 16, 2)", id="w-scales-shape"),
+    pytest.param(_bad(2, lambda t: t[None]), ValueError, "a_global must be 0-dim", id="a-global-1d"),
+    pytest.param(_bad(5, lambda t: t[:1]), ValueError, "w_global must be (E,)", id="w-global-shape"),
+    pytest.param(_bad(5, lambda t: t.to(META)), ValueError, "w_global is on meta", id="device"),
+    pytest.param(lambda args: [*args[:7], torch.float64], TypeError, "out_dtype must be", id="out-dtype"),
+    pytest.param(lambda args: [*args[:3], args[3][:0], args[4][:0], args[5][:0], args[6][:0]], ValueError,
+                 "at least one expert", id="no-experts"),
+]
+
+
+@pytest.mark.parametrize("breaks, error, message", ERRORS)
+def test_errors_are_identical_on_both_paths(interpreter, breaks, error, message):
+    args = breaks(_operands([5, 12], 20, 32, 16))
+    *tensors, out_dtype = args if len(args) == 8 else (*args, BF16)
+    calls = {
+        "ref": lambda: grouped_mm_nvfp4_ref(*tensors, out_dtype=out_dtype),
+        "kernel": lambda: grouped_mm_nvfp4(*tensors, out_dtype=out_dtype),
+    }
+    seen = {}
+    for name, call in calls.items():
+        with pytest.raises(error) as info:
+            call()
+        seen[name] = str(info.value)
+    with moekit.options(reference=True), pytest.raises(error) as info:
+        calls["kernel"]()
+    seen["reference option"] = str(info.value)
+    assert len(set(seen.values())) == 1, seen
+    assert message in seen["ref"] and seen["ref"].startswith("grouped_mm_nvfp4: "), seen["ref"]
+
+
+# --------------------------------------------------------------------------------------------------
+# the custom op
+# --------------------------------------------------------------------------------------------------
+
+
+def _op_args(args, out_dtype=BF16):
+    a_v, a_s, a_g, w_v, w_s, w_g, offs = args
+    return (a_v.view(U8), a_s.view(U8), a_g, w_v.view(U8), w_s.view(U8), w_g, offs, out_dtype)
+
+
+def test_custom_op_passes_opcheck(interpreter):
+    args = _operands([6, 0, 9], 17, 32, 16)
+    torch.library.opcheck(_grouped_mm_nvfp4_op, _op_args(args))
+
+
+# --------------------------------------------------------------------------------------------------
+# the same on a CUDA GPU, at moderate sizes; no host sync; CUDA-graph capture; torch.compile
+# --------------------------------------------------------------------------------------------------
+
+GPU_CASES = [
+    pytest.param([300, 0, 900, 77, 512, 1, 0, 250], 2100, 1024, 768, id="uneven"),  # partial tiles, tail rows
+    pytest.param([16, 40, 7, 64, 0, 33, 12, 64] * 4, 1000, 2048, 1536, id="few-rows-per-expert"),  # decode-sized
+    pytest.param([0, 0, 0, 4096], 4096, 512, 1000, id="one-hot-odd-n"),  # one hot expert, N not a tile multiple
+]
+
+
+@gpu
+@pytest.mark.parametrize("counts, m, k, n", GPU_CASES)
+def test_kernel_matches_the_oracle_gpu(counts, m, k, n):
+    args = _operands(counts, m, k, n, device=DEV)
+    _assert_matches_oracle(grouped_mm_nvfp4(*args), args)
+    _assert_matches_oracle(grouped_mm_nvfp4(*args, out_dtype=F32), args)
+
+
+@gpu
+def test_no_host_sync_gpu():
+    args = _operands([100, 0, 257, 31], 400, 256, 384, device=DEV)
+    want = grouped_mm_nvfp4(*args)  # compiles the kernel
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = grouped_mm_nvfp4(*args)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@gpu
+def test_cuda_graph_replays_with_new_routing_and_data():
+    """Captured once; replayed after new operands and new offs are copied into the captured tensors."""
+    m, k, n = 512, 256, 320
+    args = _operands([100, 200, 0, 150], m, k, n, device=DEV)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        grouped_mm_nvfp4(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = grouped_mm_nvfp4(*args)
+    new = _operands([0, 7, 480, 3], m, k, n, device=DEV)
+    for dst, src in zip(args, new, strict=True):
+        (dst.view(U8) if dst.dtype in (FP4, E4M3) else dst).copy_(src.view(U8) if src.dtype in (FP4, E4M3) else src)
+    graph.replay()
+    _assert_matches_oracle(out, args)
+
+
+@gpu
+def test_torch_compile_gpu():
+    args = _operands([64, 0, 190], 300, 256, 192, device=DEV)
+    compiled = torch.compile(lambda *a: grouped_mm_nvfp4(*a) * 2, fullgraph=True)
+    assert torch.equal(compiled(*args), grouped_mm_nvfp4(*args) * 2)
+
+
+@gpu
+def test_custom_op_passes_opcheck_gpu():
+    torch.library.opcheck(_grouped_mm_nvfp4_op, _op_args(_operands([60, 0, 90], 200, 128, 96, device=DEV)))
