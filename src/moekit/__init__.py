@@ -16,6 +16,13 @@ from .epilogue import SwiGLU
 from .experts import grouped_mm_downproj, grouped_mm_swiglu, swiglu
 from .grouped_gemm import grouped_mm
 from .layers import GptOssExperts, GroupedExperts, MoE
+from .nvfp4_gemm import grouped_mm_nvfp4, grouped_mm_nvfp4_ref
+from .nvfp4_swiglu import (
+    grouped_mm_swiglu_nvfp4,
+    grouped_mm_swiglu_nvfp4_ref,
+    swiglu_quantize_nvfp4,
+    swiglu_quantize_nvfp4_ref,
+)
 from .reference import grouped_mm_downproj_ref, grouped_mm_ref, grouped_mm_swiglu_ref, swiglu_ref
 from .routing import (
     Routing,
@@ -45,8 +52,12 @@ __all__ = [
     "grouped_mm",
     "grouped_mm_downproj",
     "grouped_mm_downproj_ref",
+    "grouped_mm_nvfp4",
+    "grouped_mm_nvfp4_ref",
     "grouped_mm_ref",
     "grouped_mm_swiglu",
+    "grouped_mm_swiglu_nvfp4",
+    "grouped_mm_swiglu_nvfp4_ref",
     "grouped_mm_swiglu_ref",
     "nvfp4",
     "options",
@@ -55,6 +66,8 @@ __all__ = [
     "set_options",
     "sorted_weights",
     "swiglu",
+    "swiglu_quantize_nvfp4",
+    "swiglu_quantize_nvfp4_ref",
     "swiglu_ref",
     "topk_router",
     "__version__",

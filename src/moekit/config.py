@@ -286,3 +286,19 @@ def grouped_mm_config(
         # (gpt-oss-20b up 4.82 ms vs 5.14 with 4 stages + split store; mixtral down 8.30 vs 8.54).
         cfg = TileConfig(block_m=_WGRAD_BLOCK_M, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
     return _fit_stages(cfg, out_bytes)
+
+
+_NVFP4_INTERPRETER_CONFIG = TileConfig(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
+
+
+def nvfp4_gemm_config(m: int, e: int, device: torch.device) -> TileConfig:
+    """The tile of the emulated NVFP4 grouped GEMM (``nvfp4_gemm``) for m rows over e experts: a short M
+    tile when there are few rows per expert (the GEMM streams the weights once), else a square one.
+    BLOCK_K is a power of two and a multiple of 16 (whole scale blocks). The decode holds both operand
+    tiles in registers: these are the largest tiles that ptxas compiles for sm_90 without spilling
+    (64x128x128 with 4 warps spills 2 KB, 128x128x64 with 8 warps 132 bytes). Not yet timed on a GPU."""
+    if device.type != "cuda":
+        return _NVFP4_INTERPRETER_CONFIG
+    if m <= 64 * e:
+        return TileConfig(block_m=64, block_n=128, block_k=64, group_m=1, num_warps=8, num_stages=3)
+    return TileConfig(block_m=128, block_n=128, block_k=32, group_m=8, num_warps=8, num_stages=3)
