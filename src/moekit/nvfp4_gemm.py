@@ -21,7 +21,7 @@ import triton.language as tl
 
 from . import config
 from ._kernels.nvfp4_gemm import _grouped_mm_nvfp4_kernel
-from .nvfp4 import BLOCK, e2m1_values_ref, unpack_ref
+from .nvfp4 import BLOCK, _run, e2m1_values_ref, unpack_ref
 from .reference import _bounds
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -227,7 +227,4 @@ def grouped_mm_nvfp4(
                                     out_dtype=out_dtype)
     args = (a_values.view(torch.uint8), a_scales.view(torch.uint8), a_global,
             w_values.view(torch.uint8), w_scales.view(torch.uint8), w_global, offs, out_dtype)
-    if torch.compiler.is_compiling():
-        return _grouped_mm_nvfp4_op(*args)
-    # eager calls skip the custom-op dispatch's host overhead, as the other ops do
-    return grouped_mm_nvfp4_fwd(*args)
+    return _run(_grouped_mm_nvfp4_op, grouped_mm_nvfp4_fwd, *args)
