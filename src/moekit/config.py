@@ -291,12 +291,24 @@ def grouped_mm_config(
 _NVFP4_INTERPRETER_CONFIG = TileConfig(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
 
 
+def swiglu_bwd_blocks() -> tuple[int, int, int, int]:
+    """(BLOCK_R, BLOCK_F, num_warps, column programs) of the SwiGLU backward pass (``experts.swiglu_bwd``).
+
+    One program per 16 rows walks all their columns, 64 at a time, with 8 warps: 0.90 of the device
+    copy bandwidth on an H100 at gpt-oss-20b and qwen3-30b-a3b sizes, against 0.80-0.83 for a program
+    per 16 x 128 block with 4 warps (``probes/sweep_passes.py``). The interpreter takes small blocks
+    on the same schedule."""
+    return (16, 16, 4, 1) if is_interpreting() else (16, 64, 8, 1)
+
+
 def nvfp4_gemm_config(m: int, e: int, device: torch.device) -> TileConfig:
     """The tile of the emulated NVFP4 grouped GEMM (``nvfp4_gemm``) for m rows over e experts: a short M
     tile when there are few rows per expert (the GEMM streams the weights once), else a square one.
     BLOCK_K is a power of two and a multiple of 16 (whole scale blocks). The decode holds both operand
     tiles in registers: these are the largest tiles that ptxas compiles for sm_90 without spilling
-    (64x128x128 with 4 warps spills 2 KB, 128x128x64 with 8 warps 132 bytes). Not yet timed on a GPU."""
+    (64x128x128 with 4 warps spills 2 KB, 128x128x64 with 8 warps 132 bytes). On an H100 the GEMM runs
+    at 0.27x moekit's bf16 grouped GEMM at 16-64 rows per expert and 0.16x at gpt-oss-20b training
+    size (``benchmarks/bench_nvfp4.py``): the register-held decode, not the bytes, bounds it."""
     if device.type != "cuda":
         return _NVFP4_INTERPRETER_CONFIG
     if m <= 64 * e:

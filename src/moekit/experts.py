@@ -226,19 +226,20 @@ def swiglu_bwd(pre: torch.Tensor, dh: torch.Tensor, spec: SwiGLU, *, with_h: boo
     if with_h:  # a padded row of 64-element multiples keeps the ones column's stores vectorized
         h_cols = triton.cdiv(f + 1, 64) * 64 if ones_col else f
         h = config.empty((m, h_cols), dtype=pre.dtype, device=pre.device)
-    block_r, block_f = (16, 16) if config.is_interpreting() else (16, 128)
-    col_blocks = max(triton.cdiv(h_cols if ones_col else f, block_f), 1)
-    # d_scale: one partial row sum per column block, added up below (deterministic, no atomics)
+    block_r, block_f, warps, col_programs = config.swiglu_bwd_blocks()
+    col_blocks = col_programs or max(triton.cdiv(h_cols if ones_col else f, block_f), 1)
+    # d_scale: one partial row sum per column program, added up below (deterministic, no atomics)
     parts = None if scale is None else config.empty((col_blocks, m), dtype=torch.float32, device=pre.device)
     if m:
         _swiglu_bwd_kernel[(triton.cdiv(m, block_r), col_blocks)](
             pre, dh, dpre, h, m, f, pre.stride(0), dh.stride(0), dpre.stride(0),
             h.stride(0) if with_h else 0, h_cols or 0, scale, parts, **spec.constexprs(),
-            ONES_COL=ones_col, BLOCK_R=block_r, BLOCK_F=block_f,
+            ONES_COL=ones_col, BLOCK_R=block_r, BLOCK_F=block_f, num_warps=warps,
         )
     if with_h and ones_col:
         h = h[:, : f + 1]
-    return dpre, h, None if parts is None else parts.sum(0)
+    dscale = None if parts is None else parts[0] if col_blocks == 1 else parts.sum(0)
+    return dpre, h, dscale
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,69 @@
+"""NVFP4 kernels on the GPU against their bandwidth roof and their bf16 counterparts, in one process.
+
+- quantize and the fused SwiGLU -> NVFP4 pass: GB/s (bytes read + written) against a device copy;
+- the fused up-projection writing NVFP4 h against moekit's bf16 fused up-projection;
+- the NVFP4 grouped GEMM against moekit's bf16 grouped GEMM, at few rows per expert (weight-bandwidth
+  bound) and at gpt-oss-20b training size.
+
+    python benchmarks/bench_nvfp4.py
+"""
+
+import torch
+
+import moekit
+from moekit import nvfp4
+from moekit.bench import bench_ms, copy_bandwidth_gbs, environment
+
+
+def _offs(m, e, dev):
+    """Balanced groups: (E,) int32 cumulative ends of m rows."""
+    return torch.linspace(m / e, m, e, device=dev).round().to(torch.int32)
+
+
+def main():
+    dev = "cuda"
+    torch.manual_seed(0)
+    print(environment())
+    copy = copy_bandwidth_gbs()
+    print(f"device copy: {copy:.0f} GB/s (read + write)\n")
+    print("| kernel | shape | ms | GB/s | of copy |\n|---|---|---|---|---|")
+    m, k = 24576 * 4, 2880
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    g = nvfp4.quantize(x)[2]
+    ms = bench_ms(lambda: nvfp4.quantize(x, g))
+    gbs = (2 * m * k + m * k // 2 + m * k // 16) / ms / 1e6
+    print(f"| quantize (given scale) | {m}x{k} bf16 | {ms:.3f} | {gbs:.0f} | {gbs / copy:.2f} |")
+    ms = bench_ms(lambda: nvfp4.quantize(x))  # x read twice: amax, then quantize
+    gbs = (4 * m * k + m * k // 2 + m * k // 16) / ms / 1e6
+    print(f"| quantize (scale on device) | {m}x{k} bf16 | {ms:.3f} | {gbs:.0f} | {gbs / copy:.2f} |")
+    f = 2880
+    pre = torch.randn(m, 2 * f, device=dev, dtype=torch.bfloat16)
+    for layout in ("interleaved", "halves"):
+        ms = bench_ms(lambda layout=layout: moekit.swiglu_quantize_nvfp4(pre, g, gate_up_layout=layout))
+        gbs = (2 * m * 2 * f + m * f // 2 + m * f // 16) / ms / 1e6
+        print(f"| swiglu_quantize_nvfp4 ({layout}) | {m}x{2 * f} bf16 | {ms:.3f} | {gbs:.0f} | {gbs / copy:.2f} |")
+
+    print("\n| op | problem | NVFP4 ms | bf16 ms | bf16 / NVFP4 |\n|---|---|---|---|---|")
+    e, d = 32, 2880
+    offs = _offs(m, e, dev)
+    w_up = torch.randn(e, 2 * f, d, device=dev, dtype=torch.bfloat16).mT * 0.02
+    xs = torch.randn(m, d, device=dev, dtype=torch.bfloat16)
+    t_fp4 = bench_ms(lambda: moekit.grouped_mm_swiglu_nvfp4(xs, w_up, offs, g))
+    t_bf16 = bench_ms(lambda: moekit.grouped_mm_swiglu(xs, w_up, offs))
+    print(f"| up-projection + SwiGLU (-> NVFP4 h vs bf16 h, aux) | gpt-oss-20b M={m} | {t_fp4:.3f} | {t_bf16:.3f} | "
+          f"{t_bf16 / t_fp4:.2f} |")
+    for rows_per_expert in (16, 64, m // e):
+        mm = rows_per_expert * e
+        a = torch.randn(mm, d, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(e, d, 2 * f, device=dev, dtype=torch.bfloat16) * 0.02
+        o = _offs(mm, e, dev)
+        av, as_, ag = nvfp4.quantize(a)
+        wv, ws, wg = nvfp4.quantize_weights(w)
+        t_fp4 = bench_ms(lambda q=(av, as_, ag, wv, ws, wg, o): moekit.grouped_mm_nvfp4(*q))
+        t_bf16 = bench_ms(lambda q=(a, w, o): moekit.grouped_mm(*q))
+        print(f"| grouped_mm_nvfp4 | E={e} K={d} N={2 * f}, {rows_per_expert} rows/expert | {t_fp4:.3f} | "
+              f"{t_bf16:.3f} | {t_bf16 / t_fp4:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

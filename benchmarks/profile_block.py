@@ -1,0 +1,98 @@
+"""Every kernel of one ``moekit.MoE`` training step (forward + backward), in launch order, with its
+CUDA time (torch.profiler), then the split into grouped GEMMs and glue and the wall time of a step
+without the profiler. The block is built as the MoE-block benchmark builds it (``--config plain``:
+no biases, plain SwiGLU; ``gpt-oss``: biases and the gpt-oss SwiGLU).
+
+    python benchmarks/profile_block.py --shape qwen3-30b-a3b [--config plain] [--steps 3] [--host]
+
+``--host`` adds the host's side: the time to enqueue one step (no sync inside it), which bounds the
+step from below when it exceeds the GPU's busy time, and cProfile's top Python functions over the
+enqueue of a few steps.
+"""
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from moekit import MoE
+from moekit.bench import BLOCK_SHAPES, GEMM_KERNELS, cuda_kernels
+from moekit.bench.moe import CONFIGS
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(BLOCK_SHAPES))
+    parser.add_argument("--config", default="plain", choices=sorted(CONFIGS))
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--host", action="store_true")
+    args = parser.parse_args()
+    s = BLOCK_SHAPES[args.shape]
+    torch.manual_seed(0)
+    moe = MoE(s.d, s.f, s.e, s.top_k, device="cuda", dtype=torch.bfloat16, **CONFIGS[args.config])
+    x = torch.randn(s.tokens, s.d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    params = [x, *moe.parameters()]
+
+    def step():
+        return torch.autograd.grad(moe(x), params, dy)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = cuda_kernels(prof)
+    per_step = len(kernels) // args.steps
+    print(f"{args.shape} ({args.config}, T={s.tokens}): {per_step} kernels per step, the last step's in order")
+    gemm = glue = 0.0
+    for e in kernels[-per_step:]:
+        ms = e.time_range.elapsed_us() / 1e3
+        is_gemm = e.name.startswith(GEMM_KERNELS)
+        gemm, glue = gemm + ms * is_gemm, glue + ms * (not is_gemm)
+        print(f"  {ms:7.3f} ms  {'GEMM' if is_gemm else 'glue'}  {e.name[:90]}")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(args.steps):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    wall = start.elapsed_time(end) / args.steps
+    print(f"  GEMMs {gemm:.3f} ms, glue {glue:.3f} ms ({100 * glue / (gemm + glue):.0f}%), "
+          f"kernels {gemm + glue:.3f} ms, wall {wall:.3f} ms per step (no profiler)")
+    pairs = zip(kernels[-per_step:], kernels[-per_step + 1:], strict=False)
+    gaps = sorted(((b.time_range.start - a.time_range.end, a.name, b.name) for a, b in pairs), reverse=True)
+    print(f"  idle between kernels: {sum(g[0] for g in gaps) / 1e3:.3f} ms in all; the longest:")
+    for gap, before, after in gaps[:6]:
+        print(f"    {gap / 1e3:.3f} ms between {before[:40]} and {after[:40]}")
+    if args.host:
+        host(step, args.steps)
+
+
+def host(step, steps):
+    """Enqueue time per step (the queue drained first; fewer launches than the queue holds)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    enqueue = (time.perf_counter() - t0) * 1e3 / steps
+    torch.cuda.synchronize()
+    print(f"  host: {enqueue:.3f} ms to enqueue one step")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(20)
+    stats.sort_stats("cumulative").print_stats(40)
+
+
+if __name__ == "__main__":
+    main()
