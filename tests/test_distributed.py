@@ -269,8 +269,7 @@ def test_device_splits_have_no_host_sync_and_capture_in_a_cuda_graph(tmp_path):
         torch.manual_seed(0)
         dev = torch.device("cuda")
         moe = MoE(256, 128, 8, 2, device=dev, dtype=BF16, **BLOCKS["plain"])
-        ep = ExpertParallelMoE.from_moe(moe, chunks=2)
-        assert ep.splits == "device"
+        ep = ExpertParallelMoE.from_moe(moe, splits="device", chunks=2)
         x = torch.randn(512, 256, device=dev, dtype=BF16, requires_grad=True)
         ep(x).sum().backward()  # warm-up (compiles the kernels)
         torch.cuda.synchronize()
@@ -297,3 +296,24 @@ def test_device_splits_have_no_host_sync_and_capture_in_a_cuda_graph(tmp_path):
             assert torch.equal(static_y, ep(static_x))
     finally:
         dist.destroy_process_group()
+
+
+def test_ep_cost_model_prints_its_table(capsys):
+    from moekit.__main__ import main
+    from moekit.bench import BLOCK_SHAPES, ep_model
+
+    main(["bench", "--ep-model", "--link", "nvlink4", "--link-gbs", "100", "--link-us", "8", "--tflops", "400"])
+    text = capsys.readouterr().out
+    assert "a model, not a measurement" in text and "at 400 TF/s" in text
+    assert "### nvlink4: 450 GB/s" in text and "### custom: 100 GB/s per direction, 8 us" in text
+    rows = [line for line in text.splitlines() if line.startswith("| gpt-oss-20b |")]
+    assert [row.split(" | ")[2] for row in rows] == ["2", "4", "8"] * 2
+    shape = BLOCK_SHAPES["gpt-oss-20b"]  # T = 24576, K = 4, D = F = 2880, E = 32
+    cost = ep_model.layer_cost(shape, 2, 450.0, 5.0, 600.0)
+    rows_off = 24576 * 4 / 2  # half of a rank's routed rows leave it
+    assert cost.host_mb == pytest.approx(rows_off * 2880 * 2 / 1e6)
+    assert cost.a2a_host == pytest.approx(4 * (5e-3 + rows_off * 2880 * 2 / 450e9 * 1e3))
+    assert cost.a2a_device == pytest.approx(4 * (5e-3 + 24576 * 4 * 2880 * 2 / 450e9 * 1e3))  # one slot of T*K rows
+    assert cost.compute == pytest.approx(18 * 24576 * 4 * 2880 * 2880 / 600e12 * 1e3)
+    assert cost.exposed[1] == pytest.approx(cost.a2a_host)  # one chunk overlaps nothing
+    assert cost.exposed[8] < cost.exposed[2] < cost.exposed[1]

@@ -15,18 +15,20 @@ numerics are :class:`moekit.MoE`'s: with expert output biases the routing weight
 the combine; without them the weights travel with the rows (an (R,) fp32 all-to-all) and scale each
 row's SwiGLU output in the up-projection's epilogue.
 
-Split sizes, the option ``splits``:
+Split sizes, the option ``splits``. Both start with an all-to-all of a (W, C, El) counts tensor that
+tells every rank how many rows each source sends for each of its experts.
 
-- ``"device"`` (default on NCCL): no host sync. The per-(source, local expert) counts go by an
-  all-to-all of a (W, C, El) counts tensor; rows go in fixed slots of ``cap = T_c * min(K, El)`` rows
-  per (source, destination) pair (the most rows a chunk of T_c tokens can send one rank), by an
-  equal-split all-to-all, into a (W * cap, D) receive buffer. The grouped GEMMs run over the whole
-  buffer with device offsets; rows past the last offset come out as zeros and carry zero gradients.
-  Every rank must pass the same number of tokens. The price: W * cap rows sent and received per chunk,
-  where a balanced routing needs about T_c * K.
-- ``"host"`` (default on other backends, gloo included): the same counts exchange, then one
-  ``.tolist()`` (one host sync per forward) gives exact split sizes, and the all-to-alls move exactly
-  the routed rows. Ranks may pass different numbers of tokens.
+- ``"host"`` (the default, on every backend): one ``.tolist()`` of the counts (one host sync per
+  forward) gives exact split sizes, and the all-to-alls move exactly the routed rows. Ranks may pass
+  different numbers of tokens.
+- ``"device"``: no host sync, for CUDA graphs and for a host that must run ahead of the GPU. Rows go in
+  fixed slots of ``cap = T_c * min(K, El)`` rows per (source, destination) pair (the most rows a chunk
+  of T_c tokens can send one rank) by an equal-split all-to-all into a (W * cap, D) receive buffer.
+  The grouped GEMMs run over the whole buffer with device offsets; rows past the last offset come out
+  as zeros and carry zero gradients. Every rank must pass the same number of tokens. The price: the
+  link carries W * min(K, El) / K times the rows of the "host" path (W times once El >= K), and the
+  expert activations are allocated for W * cap rows; ``python -m moekit bench --ep-model`` prints
+  both paths' all-to-all times.
 
 No token is ever dropped: there is no capacity limit.
 
@@ -36,13 +38,20 @@ started as soon as its experts finish, so the all-to-alls of one slice run while
 do. The backward overlaps the same way: each reverse all-to-all is started by one autograd node and
 waited on by another. Expert-weight gradients then add up slice by slice.
 
-Gradients: the collectives are autograd functions whose backward is the reverse all-to-all. The
-expert weights are sharded: their gradients on rank w are complete for its experts (every rank's rows
-for them arrived there) and must not be all-reduced over the EP group. The router (and
-``expert_bias``) is replicated, but each rank routes only its own tokens, so its gradients are partial
-sums, exactly like data parallelism: sum them over the EP group (:meth:`ExpertParallelMoE.all_reduce_router_grads`,
-or the data-parallel wrapper of the non-expert parameters; with a wrapper that averages, scale the expert
-gradients by 1/W to match, or average both).
+Gradients: the collectives are autograd functions whose backward is the reverse all-to-all, so the
+backward is a collective too (every rank runs it; x requires grad on all ranks or on none).
+
+- Expert weights (sharded): rank w's gradients are complete for its experts, summed over every rank's
+  tokens (their rows all arrived there). Do not all-reduce them over the EP group; with EP replicas in
+  an outer data-parallel group, all-reduce them over that group only.
+- Router weight and bias (replicated): each rank's gradient covers only its own tokens, a partial sum
+  as in data parallelism. Sum them over the EP group (and any outer data-parallel group):
+  :meth:`ExpertParallelMoE.all_reduce_router_grads`, or a data-parallel wrapper of the non-expert
+  parameters that spans the EP ranks. The sums then equal the single-process gradients of the summed
+  loss over all ranks' tokens. Where the wrapper averages instead (each rank's loss a mean over its
+  tokens, the global loss the mean of those), divide the expert gradients by W as well.
+- ``expert_bias`` is a buffer, not a parameter: :meth:`ExpertParallelMoE.update_expert_bias` sums the
+  load over the group, so it stays replicated.
 
 GPU notes: do not use NVLink multicast or symmetric-memory multicast; run with
 ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and ``NCCL_NVLS_ENABLE=0``. The collectives and the host-split
@@ -265,9 +274,8 @@ class ExpertParallelMoE(nn.Module):
 
     - ``group``: the EP process group (default: the world). Rank w of W holds experts
       [w*E/W, (w+1)*E/W); E must be divisible by W.
-    - ``splits``: "device" (no host sync, fixed-size slots) or "host" (one ``.tolist()`` per forward,
-      exact sizes); None picks "device" on NCCL and "host" on any other backend. See the module
-      docstring.
+    - ``splits``: "host" (the default: one ``.tolist()`` per forward, exact sizes) or "device" (no host
+      sync, fixed-size slots, W*min(K, El)/K times the rows on the link). See the module docstring.
     - ``chunks``: C >= 1 token slices whose all-to-alls overlap each other's expert GEMMs.
 
     Parameters: ``router`` (replicated, fp32 ``Linear(D, E)``), ``experts`` (a
@@ -289,7 +297,7 @@ class ExpertParallelMoE(nn.Module):
         top_k: int,
         *,
         group: dist.ProcessGroup | None = None,
-        splits: str | None = None,
+        splits: str = "host",
         chunks: int = 1,
         bias: bool = True,
         activation: str = "gpt-oss",
@@ -312,8 +320,6 @@ class ExpertParallelMoE(nn.Module):
                              f"size ({self.world})")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"ExpertParallelMoE: top_k must be in [1, {num_experts}], got {top_k}")
-        if splits is None:
-            splits = "device" if dist.get_backend(group) == "nccl" else "host"
         if splits not in SPLITS:
             raise ValueError(f"ExpertParallelMoE: splits must be one of {SPLITS}, got {splits!r}")
         if not isinstance(chunks, int) or chunks < 1:
@@ -330,7 +336,7 @@ class ExpertParallelMoE(nn.Module):
         self.aux_loss = None
 
     @classmethod
-    def from_moe(cls, moe: nn.Module, *, group=None, splits: str | None = None, chunks: int = 1):
+    def from_moe(cls, moe: nn.Module, *, group=None, splits: str = "host", chunks: int = 1):
         """This rank's shard of a :class:`moekit.MoE` (same configuration, its weights sliced)."""
         ex = moe.experts
         out = cls(
