@@ -151,6 +151,27 @@ def _compiled_over_the_kernels(rank, world):
         torch.testing.assert_close(compiled(x), ep(x), rtol=0, atol=0)
 
 
+def _fsdp2_on_the_router(rank, world):
+    """FSDP2 (fully_shard) over the EP ranks on everything but the experts: it all-gathers the router
+    for the forward and reduce-scatters its gradient as a mean; the experts stay local."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    moe = MoE(D, F, E, 2, dtype=BF16)
+    xs, dys = _inputs([7] * world)
+    ep = ExpertParallelMoE.from_moe(moe)
+    fully_shard(ep, mesh=init_device_mesh("cpu", (world,)), ignored_params=set(ep.experts.parameters()))
+    ep(xs[rank]).backward(dys[rank])
+    moe(torch.cat(xs)).backward(torch.cat(dys))
+    shard = slice(ep.expert_start, ep.expert_start + ep.local_experts)
+    for name, p in ep.experts.named_parameters(prefix="experts"):
+        assert type(p) is torch.nn.Parameter and torch.equal(p.grad, moe.get_parameter(name).grad[shard]), name
+    for name, p in ep.router.named_parameters(prefix="router"):
+        grad = p.grad.full_tensor() * world  # FSDP2 averages
+        torch.testing.assert_close(grad, moe.get_parameter(name).grad, rtol=1e-5, atol=1e-7)
+
+
 HOT, COLD = 1e4, -1e4
 ONLY = {"reshard-2-to-4": 4, "top4-device": 4}  # cases that need a given world size
 CASES = {  # name: the case, run on every rank; the comment says what it covers
@@ -171,6 +192,7 @@ CASES = {  # name: the case, run on every rank; the comment says what it covers
     "bad-inputs": _bad_inputs,
     "reshard-2-to-4": _reshard_2_to_4,
     "compile": _compiled_over_the_kernels,
+    "fsdp2": _fsdp2_on_the_router,
 }
 WORLD_CASES = {
     2: [n for n in CASES if ONLY.get(n, 2) == 2 and (n != "compile" or config.is_interpreting())],

@@ -430,7 +430,8 @@ class ExpertParallelMoE(nn.Module):
         for c in chunks:
             self._experts(c, scaled)
         outs = [self._combine(c, scaled) for c in chunks]
-        return (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(shape)
+        y = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return y if y.shape == shape else y.reshape(shape)  # not a view where it need not be (FSDP2 warns)
 
     def _chunks(self, r: Routing, tokens: int) -> list[_Chunk]:
         if self.chunks == 1:
