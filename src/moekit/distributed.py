@@ -278,6 +278,9 @@ class ExpertParallelMoE(nn.Module):
       sync, fixed-size slots, W*min(K, El)/K times the rows on the link). See the module docstring.
     - ``chunks``: C >= 1 token slices whose all-to-alls overlap each other's expert GEMMs.
 
+    ``aux_loss=True`` leaves the load-balancing loss of this rank's tokens in ``self.aux_loss`` (a
+    per-rank loss, like the router's gradients).
+
     Parameters: ``router`` (replicated, fp32 ``Linear(D, E)``), ``experts`` (a
     :class:`moekit.GroupedExperts` of El = E/W experts: this rank's shard), buffers ``expert_bias``
     (E,) (replicated) and ``tokens_per_expert`` (E,) (this rank's tokens). State-dict keys are
@@ -384,7 +387,7 @@ class ExpertParallelMoE(nn.Module):
 
     def router_parameters(self) -> list[nn.Parameter]:
         """The replicated parameters, whose gradients are per-rank partial sums."""
-        return [p for p in self.router.parameters()]
+        return list(self.router.parameters())
 
     @torch.no_grad()
     def all_reduce_router_grads(self, average: bool = False) -> None:
