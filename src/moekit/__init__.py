@@ -10,7 +10,7 @@ Expert-sorted rows are split into groups by ``offs`` (E,) int32: cumulative row 
 device and are never read by the host.
 """
 
-from . import nvfp4
+from . import distributed, nvfp4
 from .config import Options, TileConfig, get_options, options, set_options
 from .epilogue import SwiGLU
 from .experts import grouped_mm_downproj, grouped_mm_swiglu, swiglu
@@ -47,6 +47,7 @@ __all__ = [
     "TileConfig",
     "combine",
     "combine_ref",
+    "distributed",
     "gather_rows",
     "get_options",
     "grouped_mm",

@@ -32,6 +32,12 @@ EXPERT_SHAPES = ("gpt-oss-20b", "gpt-oss-120b")  # the expert-MLP table's shapes
 
 
 def _bench(args) -> None:
+    if args.ep_model:
+        from .bench import ep_model
+
+        print(ep_model.main(tokens=args.tokens, link=args.link, link_gbs=args.link_gbs, link_us=args.link_us,
+                            tflops=args.tflops))
+        return
     from .bench import BLOCK_SHAPES, CPU_SHAPES, SHAPES
     from .bench import experts as bench_experts
     from .bench import grouped_mm as bench_grouped_mm
@@ -121,6 +127,14 @@ def main(argv=None) -> None:
     bench.add_argument("--sonicmoe", action="store_true",
                        help="also time SonicMoE's block (in a child process per shape; needs the sonic-moe package)")
     bench.add_argument("--sonic-timeout", type=float, default=300.0, help="seconds per SonicMoE shape (default 300)")
+    ep = bench.add_argument_group("expert-parallel cost model (--ep-model: prints a model, runs nothing)")
+    ep.add_argument("--ep-model", action="store_true",
+                    help="print the all-to-all vs expert-GEMM cost model at EP 2, 4, 8 for the block shapes")
+    ep.add_argument("--link", action="append", choices=["nvlink4", "ib-400g"],
+                    help="a link preset (repeatable; default both: NVLink 4 450 GB/s 5 us, IB 50 GB/s 10 us)")
+    ep.add_argument("--link-gbs", type=float, help="a custom link's bandwidth, GB/s per direction")
+    ep.add_argument("--link-us", type=float, default=5.0, help="the custom link's latency per all-to-all, us")
+    ep.add_argument("--tflops", type=float, default=600.0, help="sustained expert-GEMM TF/s (default 600)")
     bench.set_defaults(fn=_bench)
     info = sub.add_parser("info", help="versions and the device path moekit will take")
     info.set_defaults(fn=_info)

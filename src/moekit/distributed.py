@@ -1,0 +1,500 @@
+"""Expert parallelism on ``torch.distributed``: :class:`ExpertParallelMoE`.
+
+Legend: T tokens on this rank, K experts per token, E experts in all, W ranks in the expert-parallel
+(EP) group, El = E / W experts per rank, R = T*K routed rows of this rank, D model dim, F expert hidden
+dim, C chunks, B rows of a receive buffer.
+
+Rank w holds experts [w*El, (w+1)*El) (a contiguous block of expert ids) and a replica of the router.
+Each rank routes its own T tokens over all E experts, exactly as :class:`moekit.MoE` does. Its routed
+rows, already sorted by expert id and therefore grouped by owning rank, go by all-to-all to the ranks
+that own their experts (*dispatch*). On arrival they are grouped by source rank; a device-side
+permutation (:func:`arrival_order`) sorts them by local expert, source rank second, and
+:class:`moekit.GroupedExperts` runs over them with device counts. Their outputs go back by the reverse
+all-to-all (*combine*) and are summed over each token's K rows in fp32 by :func:`moekit.combine`. The
+numerics are :class:`moekit.MoE`'s: with expert output biases the routing weights scale the rows in
+the combine; without them the weights travel with the rows (an (R,) fp32 all-to-all) and scale each
+row's SwiGLU output in the up-projection's epilogue.
+
+Split sizes, the option ``splits``. Both start with an all-to-all of a (W, C, El) counts tensor that
+tells every rank how many rows each source sends for each of its experts.
+
+- ``"host"`` (the default, on every backend): one ``.tolist()`` of the counts (one host sync per
+  forward) gives exact split sizes, and the all-to-alls move exactly the routed rows. Ranks may pass
+  different numbers of tokens.
+- ``"device"``: no host sync, for CUDA graphs and for a host that must run ahead of the GPU. Rows go in
+  fixed slots of ``cap = T_c * min(K, El)`` rows per (source, destination) pair (the most rows a chunk
+  of T_c tokens can send one rank) by an equal-split all-to-all into a (W * cap, D) receive buffer.
+  The grouped GEMMs run over the whole buffer with device offsets; rows past the last offset come out
+  as zeros and carry zero gradients. Every rank must pass the same number of tokens. The price: the
+  link carries W * min(K, El) / K times the rows of the "host" path (W times once El >= K), and the
+  expert activations are allocated for W * cap rows; ``python -m moekit bench --ep-model`` prints
+  both paths' all-to-all times.
+
+No token is ever dropped: there is no capacity limit.
+
+Overlap, the option ``chunks`` (default 1): the tokens are cut into C contiguous slices; every slice's
+dispatch is started (``async_op=True``) before any expert computation, and each slice's combine is
+started as soon as its experts finish, so the all-to-alls of one slice run while the GEMMs of another
+do. The backward overlaps the same way: each reverse all-to-all is started by one autograd node and
+waited on by another. Expert-weight gradients then add up slice by slice.
+
+Gradients: the collectives are autograd functions whose backward is the reverse all-to-all, so the
+backward is a collective too (every rank runs it; x requires grad on all ranks or on none).
+
+- Expert weights (sharded): rank w's gradients are complete for its experts, summed over every rank's
+  tokens (their rows all arrived there). Do not all-reduce them over the EP group; with EP replicas in
+  an outer data-parallel group, all-reduce them over that group only.
+- Router weight and bias (replicated): each rank's gradient covers only its own tokens, a partial sum
+  as in data parallelism. Sum them over the EP group (and any outer data-parallel group):
+  :meth:`ExpertParallelMoE.all_reduce_router_grads`, or a data-parallel wrapper of the non-expert
+  parameters that spans the EP ranks. The sums then equal the single-process gradients of the summed
+  loss over all ranks' tokens. Where the wrapper averages instead (each rank's loss a mean over its
+  tokens, the global loss the mean of those), divide the expert gradients by W as well.
+- ``expert_bias`` is a buffer, not a parameter: :meth:`ExpertParallelMoE.update_expert_bias` sums the
+  load over the group, so it stays replicated.
+
+GPU notes: do not use NVLink multicast or symmetric-memory multicast; run with
+``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and ``NCCL_NVLS_ENABLE=0``. The collectives and the host-split
+read are excluded from ``torch.compile`` (``torch.compiler.disable``); the router, the permutations
+and the experts compile.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .layers import GroupedExperts
+from .routing import Routing, combine, gather_rows, routing_metadata, sorted_weights, topk_router
+
+SPLITS = ("device", "host")
+
+# --------------------------------------------------------------------------------------------------
+# row permutations (each the other's adjoint)
+# --------------------------------------------------------------------------------------------------
+
+
+class ScatterRowsFn(torch.autograd.Function):
+    """out (rows, ...) zeros with out[pos[i]] = x[i]; pos (N,) int64, distinct. Backward: grad[pos]."""
+
+    @staticmethod
+    def forward(ctx, x, pos, rows: int):
+        ctx.save_for_backward(pos)
+        out = x.new_zeros((rows, *x.shape[1:]))
+        return out.index_copy_(0, pos, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (pos,) = ctx.saved_tensors
+        return grad.index_select(0, pos), None, None
+
+
+class GatherRowsFn(torch.autograd.Function):
+    """out (N, ...) = x[pos]; pos (N,) int64, distinct. Backward: zeros with grad_x[pos] = grad."""
+
+    @staticmethod
+    def forward(ctx, x, pos):
+        ctx.save_for_backward(pos)
+        ctx.rows = x.shape[0]
+        return x.index_select(0, pos)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (pos,) = ctx.saved_tensors
+        return grad.new_zeros((ctx.rows, *grad.shape[1:])).index_copy_(0, pos, grad), None
+
+
+# --------------------------------------------------------------------------------------------------
+# arrival order: received rows -> local-expert order, on the device
+# --------------------------------------------------------------------------------------------------
+
+
+def arrival_order_ref(recv_counts: torch.Tensor, slot_rows: torch.Tensor, rows: int):
+    """Reference for :func:`arrival_order`, on the host with Python loops."""
+    counts = recv_counts.tolist()
+    slots = slot_rows.tolist()
+    world, local = len(counts), len(counts[0]) if counts else 0
+    per_expert = [sum(counts[s][e] for s in range(world)) for e in range(local)]
+    expert_start = [sum(per_expert[:e]) for e in range(local)]
+    taken = [0] * local
+    pos, pad, b = [0] * rows, sum(per_expert), 0
+    for s in range(world):
+        for e in range(local):
+            for _ in range(counts[s][e]):
+                pos[b] = expert_start[e] + taken[e]
+                taken[e] += 1
+                b += 1
+        for _ in range(slots[s] - sum(counts[s])):
+            pos[b], pad, b = pad, pad + 1, b + 1
+    return torch.tensor(pos, dtype=torch.int64), torch.tensor(per_expert, dtype=recv_counts.dtype)
+
+
+def arrival_order(recv_counts: torch.Tensor, slot_rows: torch.Tensor, rows: int):
+    """Where each received row goes so that the rows are sorted by local expert; no host sync.
+
+    recv_counts (W, El) integer: rows that source s sends for local expert e. The receive buffer holds
+    W slots back to back, slot s of ``slot_rows[s]`` rows ((W,) integer, on the device) with source s's
+    rows first, sorted by local expert, then padding; ``rows`` = sum(slot_rows) = B, a host int.
+    Returns (pos (B,) int64, a permutation: buffer row b goes to row pos[b]; counts (El,)): the real
+    rows fill [0, sum(counts)) sorted by local expert and, within an expert, by source rank and arrival;
+    padding rows follow, in buffer order.
+    """
+    world, local = recv_counts.shape
+    dev = recv_counts.device
+    recv = recv_counts.long()
+    slot = slot_rows.long()
+    pad = slot - recv.sum(1)  # (W,)
+    seg = torch.cat([recv, pad[:, None]], 1).reshape(-1)  # (W*(El+1),) rows per segment, in buffer order
+    seg_first = seg.cumsum(0) - seg  # each segment's first buffer row
+    per_expert = recv.sum(0)  # (El,)
+    expert_start = per_expert.cumsum(0) - per_expert
+    src_before = recv.cumsum(0) - recv  # (W, El): rows of expert e from sources before s
+    pad_start = per_expert.sum() + pad.cumsum(0) - pad  # (W,)
+    dest = torch.cat([expert_start[None] + src_before, pad_start[:, None]], 1).reshape(-1)
+    seg_of_row = torch.repeat_interleave(torch.arange(seg.numel(), device=dev), seg, output_size=rows)
+    pos = dest[seg_of_row] + torch.arange(rows, device=dev) - seg_first[seg_of_row]
+    return pos, per_expert.to(recv_counts.dtype)
+
+
+def _slot_positions(send_counts: torch.Tensor, cap: int, rows: int) -> torch.Tensor:
+    """send_counts (W,): rows for each destination, in order; -> (R,) int64: row i's place in a buffer
+    of W slots of ``cap`` rows (destination d's rows at [d*cap, d*cap + send_counts[d]))."""
+    world = send_counts.numel()
+    dev = send_counts.device
+    counts = send_counts.long()
+    start = counts.cumsum(0) - counts
+    dest = torch.repeat_interleave(torch.arange(world, device=dev), counts, output_size=rows)
+    return dest * cap + torch.arange(rows, device=dev) - start[dest]
+
+
+# --------------------------------------------------------------------------------------------------
+# the all-to-all as two autograd nodes: start (async) and wait
+# --------------------------------------------------------------------------------------------------
+
+
+class _Exchange:
+    """One all-to-all and its reverse: split sizes (lists of host ints, or None for equal splits), the
+    row counts of both sides, and the pending work handles."""
+
+    def __init__(self, group, in_rows: int, out_rows: int, in_splits=None, out_splits=None):
+        self.group, self.in_rows, self.out_rows = group, in_rows, out_rows
+        self.in_splits, self.out_splits = in_splits, out_splits
+        self.work = self.bwd_work = self.bwd_out = None
+
+
+@torch.compiler.disable
+def _launch(out, inp, out_splits, in_splits, group):
+    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
+
+
+class _AllToAllStart(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ex: _Exchange):
+        x = x.contiguous()
+        out = x.new_empty((ex.out_rows, *x.shape[1:]))
+        ex.work = _launch(out, x, ex.out_splits, ex.in_splits, ex.group)
+        ctx.ex = ex
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        ex = ctx.ex
+        _wait(ex.bwd_work)
+        out, ex.bwd_work, ex.bwd_out = ex.bwd_out, None, None
+        return out, None
+
+
+class _AllToAllWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, ex: _Exchange):
+        _wait(ex.work)
+        ex.work = None
+        ctx.ex = ex
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ex = ctx.ex
+        grad = grad.contiguous()
+        ex.bwd_out = grad.new_empty((ex.in_rows, *grad.shape[1:]))
+        ex.bwd_work = _launch(ex.bwd_out, grad, ex.in_splits, ex.out_splits, ex.group)
+        return grad, None
+
+
+@torch.compiler.disable
+def _wait(work) -> None:
+    work.wait()
+
+
+def all_to_all_start(x: torch.Tensor, ex: _Exchange) -> torch.Tensor:
+    """Start the all-to-all of x (``ex.in_rows``, ...); the result is valid after :func:`all_to_all_wait`."""
+    return _AllToAllStart.apply(x, ex)
+
+
+def all_to_all_wait(out: torch.Tensor, ex: _Exchange) -> torch.Tensor:
+    """Wait for the all-to-all started by :func:`all_to_all_start`; differentiable (the reverse
+    all-to-all, started by this node's backward and waited on by the start node's)."""
+    return _AllToAllWait.apply(out, ex)
+
+
+@torch.compiler.disable
+def _exchange_counts(counts_CE: torch.Tensor, world: int, group) -> torch.Tensor:
+    """counts_CE (C, E) rows per expert of each chunk on this rank -> (C, W, El) int64: rows each
+    source rank sends for each of this rank's experts, per chunk."""
+    c, e = counts_CE.shape
+    send = counts_CE.long().view(c, world, e // world).transpose(0, 1).contiguous()  # (W, C, El)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.transpose(0, 1)
+
+
+@torch.compiler.disable
+def _host_splits(send_CW: torch.Tensor, recv_CW: torch.Tensor) -> tuple[list, list]:
+    both = torch.stack([send_CW, recv_CW]).tolist()  # the one host sync of the "host" path
+    return both[0], both[1]
+
+
+# --------------------------------------------------------------------------------------------------
+# the module
+# --------------------------------------------------------------------------------------------------
+
+
+class _Chunk:
+    """One slice of the tokens on its way: its routing, its exchanges and its buffers."""
+
+    def __init__(self, t0: int, t1: int, routing: Routing):
+        self.t0, self.t1, self.routing = t0, t1, routing
+
+
+class ExpertParallelMoE(nn.Module):
+    """:class:`moekit.MoE` with its experts sharded over an expert-parallel process group.
+
+    Same arguments and numerics as :class:`moekit.MoE`, plus:
+
+    - ``group``: the EP process group (default: the world). Rank w of W holds experts
+      [w*E/W, (w+1)*E/W); E must be divisible by W.
+    - ``splits``: "host" (the default: one ``.tolist()`` per forward, exact sizes) or "device" (no host
+      sync, fixed-size slots, W*min(K, El)/K times the rows on the link). See the module docstring.
+    - ``chunks``: C >= 1 token slices whose all-to-alls overlap each other's expert GEMMs.
+
+    ``aux_loss=True`` leaves the load-balancing loss of this rank's tokens in ``self.aux_loss`` (a
+    per-rank loss, like the router's gradients).
+
+    Parameters: ``router`` (replicated, fp32 ``Linear(D, E)``), ``experts`` (a
+    :class:`moekit.GroupedExperts` of El = E/W experts: this rank's shard), buffers ``expert_bias``
+    (E,) (replicated) and ``tokens_per_expert`` (E,) (this rank's tokens). State-dict keys are
+    :class:`moekit.MoE`'s, with the expert tensors (El, ...) instead of (E, ...):
+    :meth:`load_full_state_dict` and :meth:`full_state_dict` convert, so checkpoints move between EP
+    sizes and to and from a single-process :class:`moekit.MoE`.
+
+    ``forward(x)``: x (..., D) bf16/fp16, this rank's tokens -> (..., D) in x.dtype. A collective: every
+    rank of the group calls it, with the same C (and, with "device" splits, the same token count).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        group: dist.ProcessGroup | None = None,
+        splits: str = "host",
+        chunks: int = 1,
+        bias: bool = True,
+        activation: str = "gpt-oss",
+        router_bias: bool = True,
+        score_func: str = "softmax",
+        renormalize: bool = True,
+        aux_loss: bool = False,
+        device=None,
+        dtype=None,
+        **experts_kw,
+    ):
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ExpertParallelMoE: torch.distributed is not initialized (dist.init_process_group)")
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        if num_experts % self.world:
+            raise ValueError(f"ExpertParallelMoE: num_experts ({num_experts}) must be divisible by the EP group's "
+                             f"size ({self.world})")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"ExpertParallelMoE: top_k must be in [1, {num_experts}], got {top_k}")
+        if splits not in SPLITS:
+            raise ValueError(f"ExpertParallelMoE: splits must be one of {SPLITS}, got {splits!r}")
+        if not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"ExpertParallelMoE: chunks must be an int >= 1, got {chunks!r}")
+        self.splits, self.chunks = splits, chunks
+        self.num_experts, self.local_experts = num_experts, num_experts // self.world
+        self.expert_start = self.rank * self.local_experts
+        self.top_k, self.score_func, self.renormalize, self.use_aux_loss = top_k, score_func, renormalize, aux_loss
+        self.router = nn.Linear(dim, num_experts, bias=router_bias, device=device, dtype=torch.float32)
+        self.experts = GroupedExperts(dim, hidden_dim, self.local_experts, bias=bias, activation=activation,
+                                      device=device, dtype=dtype, **experts_kw)
+        self.register_buffer("expert_bias", torch.zeros(num_experts, device=device), persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, device=device), persistent=False)
+        self.aux_loss = None
+
+    @classmethod
+    def from_moe(cls, moe: nn.Module, *, group=None, splits: str = "host", chunks: int = 1):
+        """This rank's shard of a :class:`moekit.MoE` (same configuration, its weights sliced)."""
+        ex = moe.experts
+        out = cls(
+            ex.dim, ex.hidden_dim, ex.num_experts, moe.top_k, group=group, splits=splits, chunks=chunks,
+            bias=ex.mlp1_bias_EG is not None, router_bias=moe.router.bias is not None, score_func=moe.score_func,
+            renormalize=moe.renormalize, aux_loss=moe.use_aux_loss, device=ex.mlp1_weight_EGD.device,
+            dtype=ex.mlp1_weight_EGD.dtype, **ex.swiglu,
+        )
+        out.load_full_state_dict(moe.state_dict())
+        return out
+
+    # ---- state dicts ------------------------------------------------------------------------------
+
+    def shard_state_dict(self, full: dict) -> dict:
+        """A full (:class:`moekit.MoE`-shaped) state dict -> this rank's: expert tensors sliced to
+        [expert_start, expert_start + El) along dim 0, everything else as is."""
+        out = {}
+        for key, value in full.items():
+            if key.startswith("experts."):
+                if value.shape[0] != self.num_experts:
+                    raise ValueError(f"ExpertParallelMoE: {key} has {value.shape[0]} experts, expected "
+                                     f"{self.num_experts}")
+                value = value[self.expert_start : self.expert_start + self.local_experts]
+            out[key] = value
+        return out
+
+    def load_full_state_dict(self, full: dict, strict: bool = True):
+        """Load a full state dict (experts (E, ...), e.g. a :class:`moekit.MoE`'s or :meth:`full_state_dict`'s)."""
+        return self.load_state_dict(self.shard_state_dict(full), strict=strict)
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict:
+        """The full state dict on every rank: expert tensors all-gathered over the group to (E, ...);
+        a collective. Its keys and shapes are :class:`moekit.MoE`'s."""
+        out = {}
+        for key, value in self.state_dict().items():
+            if key.startswith("experts."):
+                parts = [torch.empty_like(value) for _ in range(self.world)]
+                dist.all_gather(parts, value.contiguous(), group=self.group)
+                value = torch.cat(parts)
+            out[key] = value
+        return out
+
+    # ---- replicated state -------------------------------------------------------------------------
+
+    def router_parameters(self) -> list[nn.Parameter]:
+        """The replicated parameters, whose gradients are per-rank partial sums."""
+        return list(self.router.parameters())
+
+    @torch.no_grad()
+    def all_reduce_router_grads(self, average: bool = False) -> None:
+        """Sum (or average) the router's gradients over the EP group: afterwards they equal the
+        single-process gradients over all ranks' tokens (the sum). Not needed where a data-parallel
+        wrapper over this group already reduces the router."""
+        for p in self.router_parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=self.group)
+                if average:
+                    p.grad /= self.world
+
+    @torch.no_grad()
+    def update_expert_bias(self, rate: float = 1e-3) -> None:
+        """Aux-loss-free balancing step on the global load (``tokens_per_expert`` summed over the
+        group, a collective), so that ``expert_bias`` stays replicated."""
+        load = self.tokens_per_expert.clone()
+        dist.all_reduce(load, group=self.group)
+        self.expert_bias += rate * torch.sign(load.mean() - load)
+        self.tokens_per_expert.zero_()
+
+    # ---- forward ----------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        if shape[-1] != self.experts.dim:
+            raise ValueError(f"ExpertParallelMoE: x (..., {self.experts.dim}), got {tuple(shape)}")
+        x2 = x.reshape(-1, shape[-1])
+        r = topk_router(
+            x2, self.router.weight, self.router.bias, top_k=self.top_k, score_func=self.score_func,
+            renormalize=self.renormalize, expert_bias=self.expert_bias, aux_loss=self.use_aux_loss,
+        )
+        with torch.no_grad():
+            self.tokens_per_expert += r.counts
+        self.aux_loss = r.aux_loss
+        chunks = self._chunks(r, x2.shape[0])
+        recv_counts = _exchange_counts(torch.stack([c.routing.counts for c in chunks]), self.world, self.group)
+        send_counts = torch.stack([c.routing.counts.view(self.world, -1).sum(1) for c in chunks])  # (C, W)
+        host = _host_splits(send_counts, recv_counts.sum(2)) if self.splits == "host" else None
+        scaled = self.experts.mlp2_bias_ED is None  # weights applied before the (linear) down-projection
+        for i, c in enumerate(chunks):
+            self._dispatch(c, x2, send_counts[i], recv_counts[i], host and (host[0][i], host[1][i]), scaled)
+        for c in chunks:
+            self._experts(c, scaled)
+        outs = [self._combine(c, scaled) for c in chunks]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return y if y.shape == shape else y.reshape(shape)  # not a view where it need not be (FSDP2 warns)
+
+    def _chunks(self, r: Routing, tokens: int) -> list[_Chunk]:
+        if self.chunks == 1:
+            return [_Chunk(0, tokens, r)]
+        bounds = [tokens * i // self.chunks for i in range(self.chunks + 1)]
+        chunks = []
+        for t0, t1 in zip(bounds[:-1], bounds[1:], strict=True):
+            experts = r.experts[t0:t1]
+            counts, offs, token_idx, row_of = routing_metadata(experts, self.num_experts)
+            chunks.append(_Chunk(t0, t1, Routing(r.weights[t0:t1], experts, counts, offs, token_idx, row_of)))
+        return chunks
+
+    def _dispatch(self, c: _Chunk, x2, send_counts_W, recv_counts_WE, host, scaled: bool) -> None:
+        """Start the chunk's all-to-alls of its routed rows (and their routing weights when ``scaled``)."""
+        r = c.routing
+        rows = gather_rows(x2[c.t0 : c.t1], r)  # (R_c, D) sorted by expert, so grouped by owner rank
+        scale = sorted_weights(r.weights, r.row_of) if scaled else None  # (R_c,) fp32
+        r_c = rows.shape[0]
+        if host is None:
+            cap = (c.t1 - c.t0) * min(self.top_k, self.local_experts)
+            c.send_pos = _slot_positions(send_counts_W, cap, r_c)
+            c.ex = _Exchange(self.group, self.world * cap, self.world * cap)
+            rows = ScatterRowsFn.apply(rows, c.send_pos, self.world * cap)
+            scale = None if scale is None else ScatterRowsFn.apply(scale, c.send_pos, self.world * cap)
+            slot_rows = torch.full((self.world,), cap, device=rows.device, dtype=torch.int64)
+        else:
+            send, recv = host
+            c.send_pos = None
+            c.ex = _Exchange(self.group, r_c, sum(recv), send, recv)
+            slot_rows = recv_counts_WE.sum(1)
+        c.pos, c.local_counts = arrival_order(recv_counts_WE, slot_rows, c.ex.out_rows)
+        c.rows = all_to_all_start(rows, c.ex)
+        if scale is not None:
+            c.ex_scale = _Exchange(self.group, c.ex.in_rows, c.ex.out_rows, c.ex.in_splits, c.ex.out_splits)
+            c.scale = all_to_all_start(scale, c.ex_scale)
+
+    def _experts(self, c: _Chunk, scaled: bool) -> None:
+        """Wait for the chunk's rows, run this rank's experts on them, and start the combine."""
+        b = c.ex.out_rows
+        x_local = ScatterRowsFn.apply(all_to_all_wait(c.rows, c.ex), c.pos, b)  # (B, D) by local expert
+        scale = None
+        if scaled:
+            scale = ScatterRowsFn.apply(all_to_all_wait(c.scale, c.ex_scale), c.pos, b)  # (B,) fp32
+        y = self.experts(x_local, c.local_counts, None, None, scale)  # rows past sum(counts) -> 0
+        back = _Exchange(self.group, b, c.ex.in_rows, c.ex.out_splits, c.ex.in_splits)
+        c.back = back
+        c.out = all_to_all_start(GatherRowsFn.apply(y, c.pos), back)
+
+    def _combine(self, c: _Chunk, scaled: bool) -> torch.Tensor:
+        """Wait for the chunk's expert outputs and sum each token's K rows, weighted, in fp32."""
+        y = all_to_all_wait(c.out, c.back)
+        if c.send_pos is not None:
+            y = GatherRowsFn.apply(y, c.send_pos)  # (R_c, D) in the chunk's expert-sorted order
+        r = c.routing
+        return combine(y, None if scaled else r.weights, r.row_of)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, rank={self.rank}/{self.world} holds [{self.expert_start}, "
+                f"{self.expert_start + self.local_experts}), top_k={self.top_k}, splits={self.splits!r}, "
+                f"chunks={self.chunks}")
+
+
+__all__ = ["ExpertParallelMoE", "arrival_order", "arrival_order_ref"]

@@ -1,0 +1,341 @@
+"""Expert parallelism (moekit.distributed) on CPU: gloo process groups of 2 and 4 ranks.
+
+Each world size runs once (one spawn of W processes, module-scoped) through a table of cases; every
+case compares ExpertParallelMoE with a single-process moekit.MoE holding the same full weights and
+fed every rank's tokens concatenated: outputs, dx, the expert gradients of each rank's shard, the
+router gradients summed over the ranks, and the routing counts. The expert ops run their pure-PyTorch
+reference (the interpreter would take minutes); one case compiles the block over the kernels under
+the interpreter.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import traceback
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import moekit
+from moekit import MoE, config
+from moekit.distributed import ExpertParallelMoE, arrival_order, arrival_order_ref
+from moekit.testing import assert_close
+
+BF16 = torch.bfloat16
+D, F, E = 16, 8, 8
+BLOCKS = {  # the gpt-oss block (weights applied in the combine), the bias-free block (weights in the epilogue)
+    "gpt-oss": {},
+    "plain": dict(bias=False, router_bias=False, activation="swiglu"),
+}
+
+# --------------------------------------------------------------------------------------------------
+# the cases (run on every rank of a gloo group)
+# --------------------------------------------------------------------------------------------------
+
+
+def _inputs(tokens):
+    xs = [(torch.randn(t, D) * 2).to(BF16) for t in tokens]
+    return xs, [torch.randn(t, D).to(BF16) for t in tokens]
+
+
+def _match_moe(rank, world, *, block="plain", splits="host", chunks=1, top_k=2, tokens=None, bias_E=None):
+    """ExpertParallelMoE on this rank's tokens against moekit.MoE on all ranks' tokens."""
+    torch.manual_seed(0)  # the same weights and inputs on every rank
+    moe = MoE(D, F, E, top_k, dtype=BF16, **BLOCKS[block])
+    if bias_E is not None:
+        moe.expert_bias.copy_(torch.tensor(bias_E, dtype=torch.float32))
+    if tokens is None:  # the host path takes a different token count on each rank, the device path one count
+        tokens = [6 + 3 * r for r in range(world)] if splits == "host" else [9] * world
+    xs, dys = _inputs(tokens)
+    ep = ExpertParallelMoE.from_moe(moe, splits=splits, chunks=chunks)
+    x = xs[rank].clone().requires_grad_()
+    y = ep(x)
+    y.backward(dys[rank])
+    ep.all_reduce_router_grads()
+
+    xf = torch.cat(xs).requires_grad_()
+    yf = moe(xf)
+    yf.backward(torch.cat(dys))
+    mine = slice(sum(tokens[:rank]), sum(tokens[: rank + 1]))
+    shard = slice(ep.expert_start, ep.expert_start + ep.local_experts)
+    load = ep.tokens_per_expert.clone()
+    dist.all_reduce(load)
+    assert torch.equal(load, moe.tokens_per_expert), "routing counts"
+    full = dict(moe.named_parameters())
+    pairs = [("y", y, yf[mine]), ("dx", x.grad, xf.grad[mine])]
+    pairs += [(n, p.grad, full[n].grad[shard]) for n, p in ep.experts.named_parameters(prefix="experts")]
+    for name, got, want in pairs:
+        if chunks == 1:  # the same rows in the same order reach every GEMM: bit for bit
+            assert torch.equal(got, want), name
+        else:  # expert gradients add up chunk by chunk, each rounded to bf16
+            assert_close(got, want.float(), BF16, what=name)
+    for name, p in ep.router.named_parameters():
+        torch.testing.assert_close(p.grad, full[f"router.{name}"].grad, rtol=1e-5, atol=1e-7)
+    return ep, moe
+
+
+def _state_dict_round_trip(rank, world):
+    ep, moe = _match_moe(rank, world, block="gpt-oss")
+    full, ref = ep.full_state_dict(), moe.state_dict()
+    assert full.keys() == ref.keys()
+    for key in ref:
+        assert torch.equal(full[key], ref[key]), key
+
+
+def _reshard_2_to_4(rank, world):
+    """Train EP=2 groups one step, gather its full state dict, load it into EP=4 and into a MoE."""
+    torch.manual_seed(0)
+    moe = MoE(D, F, E, 2, dtype=BF16, **BLOCKS["gpt-oss"])
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+    ep2 = ExpertParallelMoE.from_moe(moe, group=pairs[rank // 2])
+    x = torch.randn(7, D).to(BF16)
+    ep2(x).float().square().sum().backward()
+    with torch.no_grad():
+        for p in ep2.experts.parameters():
+            p -= 0.5 * p.grad.to(p.dtype)
+    full = ep2.full_state_dict()  # over the pair
+    assert full["experts.mlp1_weight_EGD"].shape[0] == E and not torch.equal(full["experts.mlp1_weight_EGD"],
+                                                                             moe.experts.mlp1_weight_EGD)
+    ep4 = ExpertParallelMoE(D, F, E, 2, dtype=BF16)
+    ep4.load_full_state_dict(full)
+    moe.load_state_dict(full)
+    assert torch.equal(ep4(x), moe(x))  # each rank's own tokens: EP=4 matches the resharded weights
+    back = ep4.full_state_dict()
+    assert all(torch.equal(back[k], full[k]) for k in full)
+
+
+def _idle_rank(rank, world, splits):
+    """No token goes to the last rank's experts: it receives zero rows and sends back empty outputs."""
+    _match_moe(rank, world, splits=splits, chunks=3, bias_E=[0] * (E - E // world) + [COLD] * (E // world))
+
+
+def _uneven_and_empty_rank_tokens(rank, world):
+    _match_moe(rank, world, tokens=[0] + [5 + 4 * r for r in range(1, world)])
+
+
+def _expert_bias_stays_replicated(rank, world):
+    torch.manual_seed(0)
+    ep = ExpertParallelMoE(D, F, E, 2, dtype=BF16)
+    ep(torch.randn(5 + rank * 7, D).to(BF16))  # different loads on each rank
+    ep.update_expert_bias(0.1)
+    biases = [torch.empty(E) for _ in range(world)]
+    dist.all_gather(biases, ep.expert_bias)
+    assert all(torch.equal(b, biases[0]) for b in biases) and biases[0].abs().sum() > 0
+
+
+def _bad_inputs(rank, world):
+    with pytest.raises(ValueError, match="divisible"):
+        ExpertParallelMoE(D, F, world * 2 + 1, 2, dtype=BF16)
+    with pytest.raises(ValueError, match="splits"):
+        ExpertParallelMoE(D, F, E, 2, dtype=BF16, splits="eager")
+    with pytest.raises(ValueError, match="chunks"):
+        ExpertParallelMoE(D, F, E, 2, dtype=BF16, chunks=0)
+    ep = ExpertParallelMoE(D, F, E, 2, dtype=BF16)
+    with pytest.raises(ValueError, match="experts"):
+        ep.load_full_state_dict({k: v[:1] if k.startswith("experts.") else v for k, v in ep.state_dict().items()})
+
+
+def _compiled_over_the_kernels(rank, world):
+    """torch.compile of the whole block over the Triton kernels (interpreter): the collectives are
+    graph breaks, the router, permutations and experts compile; the result equals eager."""
+    torch.manual_seed(0)
+    with moekit.options(reference=False):
+        ep = ExpertParallelMoE(D, F, E, 2, dtype=BF16, splits="device", **BLOCKS["plain"])
+        x = torch.randn(5, D).to(BF16)
+        compiled = torch.compile(ep, backend="aot_eager")
+        torch.testing.assert_close(compiled(x), ep(x), rtol=0, atol=0)
+
+
+def _fsdp2_on_the_router(rank, world):
+    """FSDP2 (fully_shard) over the EP ranks on everything but the experts: it all-gathers the router
+    for the forward and reduce-scatters its gradient as a mean; the experts stay local."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    moe = MoE(D, F, E, 2, dtype=BF16)
+    xs, dys = _inputs([7] * world)
+    ep = ExpertParallelMoE.from_moe(moe)
+    fully_shard(ep, mesh=init_device_mesh("cpu", (world,)), ignored_params=set(ep.experts.parameters()))
+    ep(xs[rank]).backward(dys[rank])
+    moe(torch.cat(xs)).backward(torch.cat(dys))
+    shard = slice(ep.expert_start, ep.expert_start + ep.local_experts)
+    for name, p in ep.experts.named_parameters(prefix="experts"):
+        assert type(p) is torch.nn.Parameter and torch.equal(p.grad, moe.get_parameter(name).grad[shard]), name
+    for name, p in ep.router.named_parameters(prefix="router"):
+        grad = p.grad.full_tensor() * world  # FSDP2 averages
+        torch.testing.assert_close(grad, moe.get_parameter(name).grad, rtol=1e-5, atol=1e-7)
+
+
+HOT, COLD = 1e4, -1e4
+ONLY = {"reshard-2-to-4": 4, "top4-device": 4}  # cases that need a given world size
+CASES = {  # name: the case, run on every rank; the comment says what it covers
+    **{f"match-{b}-{s}-chunks{c}": partial(_match_moe, block=b, splits=s, chunks=c)
+       for b in BLOCKS for s in ("host", "device") for c in (1, 3)},
+    # experts 1, 2 and 6 are never chosen
+    **{f"empty-experts-{s}": partial(_match_moe, splits=s, bias_E=[0, COLD, COLD, 0, 0, 0, COLD, 0])
+       for s in ("host", "device")},
+    # every token's first choice is expert 5: its rank gets at least T rows from every rank
+    **{f"hot-expert-{s}": partial(_match_moe, splits=s, bias_E=[0] * 5 + [HOT, 0, 0]) for s in ("host", "device")},
+    # no token goes to the last rank's experts (the biases are set per world size in _idle_rank)
+    **{f"idle-rank-{s}": partial(_idle_rank, splits=s) for s in ("host", "device")},
+    # K = 4 > El on four ranks: the device slots hold T * min(K, El) rows
+    "top4-device": partial(_match_moe, splits="device", top_k=4, block="gpt-oss"),
+    "uneven-tokens-host": _uneven_and_empty_rank_tokens,
+    "state-dict-round-trip": _state_dict_round_trip,
+    "expert-bias-replicated": _expert_bias_stays_replicated,
+    "bad-inputs": _bad_inputs,
+    "reshard-2-to-4": _reshard_2_to_4,
+    "compile": _compiled_over_the_kernels,
+    "fsdp2": _fsdp2_on_the_router,
+}
+WORLD_CASES = {
+    2: [n for n in CASES if ONLY.get(n, 2) == 2 and (n != "compile" or config.is_interpreting())],
+    4: ["match-plain-host-chunks1", "match-plain-device-chunks3", "match-gpt-oss-device-chunks1",
+        "match-gpt-oss-host-chunks3", "idle-rank-device", "hot-expert-host", "top4-device", "reshard-2-to-4"],
+}
+
+# --------------------------------------------------------------------------------------------------
+# the runner
+# --------------------------------------------------------------------------------------------------
+
+
+def _worker(rank: int, world: int, folder: str, names: list[str]) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    moekit.set_options(reference=True)
+    torch.set_num_threads(1)
+    results = {}
+    for name in names:
+        try:
+            CASES[name](rank, world)
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()
+        with open(f"{folder}/rank{rank}.json", "w") as fh:
+            json.dump(results, fh)
+    dist.destroy_process_group()
+
+
+def _run_world(world: int, folder, timeout_s: float = 240.0) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(r, world, str(folder), WORLD_CASES[world])) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout_s)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    results = []
+    for r in range(world):
+        path = os.path.join(folder, f"rank{r}.json")
+        results.append(json.load(open(path)) if os.path.exists(path) else {})
+    return results
+
+
+@pytest.fixture(scope="module")
+def world_results(tmp_path_factory):
+    return {w: _run_world(w, tmp_path_factory.mktemp(f"ep{w}")) for w in WORLD_CASES}
+
+
+@pytest.mark.parametrize("world, case", [(w, n) for w, names in WORLD_CASES.items() for n in names],
+                         ids=[f"w{w}-{n}" for w, names in WORLD_CASES.items() for n in names])
+def test_expert_parallel(world_results, world, case):
+    for rank, results in enumerate(world_results[world]):
+        status = results.get(case, "did not run (an earlier case hung or the process died)")
+        assert status == "ok", f"rank {rank} of {world}, {case}:\n{status}"
+
+
+# --------------------------------------------------------------------------------------------------
+# single-process pieces
+# --------------------------------------------------------------------------------------------------
+
+ARRIVALS = [  # (recv_counts (W, El), slot rows (W,)): why
+    ([[2, 1], [0, 3]], [3, 3]),  # compact buffer (host splits)
+    ([[2, 1], [0, 3], [1, 0]], [6, 6, 6]),  # padded slots (device splits)
+    ([[0, 0], [0, 0]], [4, 4]),  # nothing arrives
+    ([[0, 5, 0]], [5]),  # one source, one hot expert
+    ([[1], [2], [0], [4]], [4, 4, 4, 4]),  # one local expert, a full slot
+]
+
+
+@pytest.mark.parametrize("counts, slots", ARRIVALS)
+def test_arrival_order_matches_reference(counts, slots):
+    recv, slot = torch.tensor(counts), torch.tensor(slots)
+    pos, per_expert = arrival_order(recv, slot, sum(slots))
+    ref_pos, ref_counts = arrival_order_ref(recv, slot, sum(slots))
+    assert torch.equal(pos, ref_pos) and torch.equal(per_expert, ref_counts)
+    assert torch.equal(pos.sort().values, torch.arange(sum(slots)))
+
+
+def test_needs_an_initialized_process_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ExpertParallelMoE(D, F, E, 2)
+
+
+@pytest.mark.gpu
+def test_device_splits_have_no_host_sync_and_capture_in_a_cuda_graph(tmp_path):
+    """NCCL, one rank: the device-splits path runs forward and backward with host syncs forbidden, and
+    its forward replays from a CUDA graph."""
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        dev = torch.device("cuda")
+        moe = MoE(256, 128, 8, 2, device=dev, dtype=BF16, **BLOCKS["plain"])
+        ep = ExpertParallelMoE.from_moe(moe, splits="device", chunks=2)
+        x = torch.randn(512, 256, device=dev, dtype=BF16, requires_grad=True)
+        ep(x).sum().backward()  # warm-up (compiles the kernels)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            y = ep(x)
+            y.float().square().sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert_close(y, moe(x.detach()).float(), BF16, what="y")
+        static_x = x.detach().clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.no_grad():
+            ep(static_x)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), torch.no_grad():
+            static_y = ep(static_x)
+        static_x.copy_(torch.randn_like(static_x))
+        graph.replay()
+        torch.cuda.synchronize()
+        with torch.no_grad():
+            assert torch.equal(static_y, ep(static_x))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ep_cost_model_prints_its_table(capsys):
+    from moekit.__main__ import main
+    from moekit.bench import BLOCK_SHAPES, ep_model
+
+    main(["bench", "--ep-model", "--link", "nvlink4", "--link-gbs", "100", "--link-us", "8", "--tflops", "400"])
+    text = capsys.readouterr().out
+    assert "a model, not a measurement" in text and "at 400 TF/s" in text
+    assert "### nvlink4: 450 GB/s" in text and "### custom: 100 GB/s per direction, 8 us" in text
+    rows = [line for line in text.splitlines() if line.startswith("| gpt-oss-20b |")]
+    assert [row.split(" | ")[2] for row in rows] == ["2", "4", "8"] * 2
+    shape = BLOCK_SHAPES["gpt-oss-20b"]  # T = 24576, K = 4, D = F = 2880, E = 32
+    cost = ep_model.layer_cost(shape, 2, 450.0, 5.0, 600.0)
+    rows_off = 24576 * 4 / 2  # half of a rank's routed rows leave it
+    assert cost.host_mb == pytest.approx(rows_off * 2880 * 2 / 1e6)
+    assert cost.a2a_host == pytest.approx(4 * (5e-3 + rows_off * 2880 * 2 / 450e9 * 1e3))
+    assert cost.a2a_device == pytest.approx(4 * (5e-3 + 24576 * 4 * 2880 * 2 / 450e9 * 1e3))  # one slot of T*K rows
+    assert cost.compute == pytest.approx(18 * 24576 * 4 * 2880 * 2880 / 600e12 * 1e3)
+    assert cost.exposed[1] == pytest.approx(cost.a2a_host)  # one chunk overlaps nothing
+    assert cost.exposed[8] < cost.exposed[2] < cost.exposed[1]
