@@ -703,3 +703,7 @@ def to_blocked_ragged(scales: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         return to_blocked_ragged_ref(scales, offs)
     out = _run(_to_blocked_ragged_op, to_blocked_ragged_fwd, scales.view(torch.uint8), offs)
     return out.view(scales.dtype)
+
+
+# NVFP4 training (the recipe, the random Hadamard transform), reachable as moekit.nvfp4.*
+from .nvfp4_train import TrainingRecipe, hadamard16  # noqa: E402, F401
