@@ -96,9 +96,11 @@ def test_stochastic_rounding_is_reproducible_and_offset_moves_the_stream():
     assert torch.equal(a, b)
     assert not torch.equal(a, _sr_values(x, 3, 101))
     assert not torch.equal(a, _sr_values(x, 4, 100))
-    # offset + i is the counter: the stream of offset 64 is the one of offset 0 moved by a row
+    # offset + i // 4 is element i's counter: the stream of offset 16 is the one of offset 0 moved by a row
     bits = nvfp4.random_bits_ref(3, 0, (2, 64))
-    assert torch.equal(nvfp4.random_bits_ref(3, 64, (1, 64)), bits[1:])
+    assert torch.equal(nvfp4.random_bits_ref(3, 16, (1, 64)), bits[1:])
+    words = nvfp4.philox_ref((3, 0), tuple(torch.tensor([c]) for c in (5, 0, 0, 0)))  # counter 5: elements 20-23
+    assert bits[0, 20:24].tolist() == [int(w) for w in words]
 
 
 def test_stochastic_rounding_keeps_the_block_range_and_special_values():
@@ -130,7 +132,7 @@ def test_stochastic_rounding_checks_its_arguments():
     with pytest.raises(ValueError, match="seed < 2\\^63"):
         nvfp4.quantize(x, **SR, seed=-1)
     with pytest.raises(ValueError, match="offset"):
-        nvfp4.quantize_ref(x, **SR, offset=2**63 - 8)
+        nvfp4.quantize_ref(x, **SR, offset=2**63 - 2)
 
 
 # --------------------------------------------------------------------------------------------------

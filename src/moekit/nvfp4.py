@@ -27,7 +27,7 @@ with it; on CUDA (and under ``TRITON_INTERPRET=1``) they run the kernels of ``_k
 no host sync (``to_blocked_ragged`` reads ``offs`` on the device) and CUDA-graph safe:
 - ``quantize(x, global_scale=None, *, rounding="nearest", seed=0, offset=0)``: activations (..., K); with
   ``global_scale=None`` the amax is reduced on the device; ``rounding="stochastic"`` rounds each value
-  up or down at random, unbiased, on the Philox stream ``tl.randint(seed, offset + i)`` that
+  up or down at random, unbiased, on the Philox stream ``tl.randint4x(seed, offset + i // 4)`` that
   ``random_bits_ref`` reproduces in torch (gradients in the NVFP4 training recipe);
 - ``quantize_weights(w, global_scale=None, *, block_2d=False)``: weights (E, K, N) along K, per-expert
   global scales, 1x16 blocks or the 16x16 blocks of the NVFP4 training recipe;
@@ -170,11 +170,11 @@ _SEED_LIMIT = 2**63
 
 
 def _mul32(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hi, lo) 32-bit words of a * b for a (int64 in [0, 2^32)) and a 32-bit constant b, without int64
-    overflow: b in 16-bit halves, a * b = 2^16 * t + (a * b_lo mod 2^16)."""
-    p_lo = a * (b & 0xFFFF)
-    t = a * (b >> 16) + (p_lo >> 16)
-    return t >> 16, ((t & 0xFFFF) << 16) | (p_lo & 0xFFFF)
+    """(hi, lo) 32-bit words of a * b for a (int64 in [0, 2^32)) and a 32-bit constant b: the product
+    is below 2^64, and int64 multiplication keeps its 64 bits (two's complement wraparound), so an
+    arithmetic shift and a mask give the high word."""
+    p = a * b
+    return (p >> 32) & _M32, p & _M32
 
 
 def philox_ref(key: tuple[int, int], counter: tuple[torch.Tensor, ...], rounds: int = 10) -> tuple[torch.Tensor, ...]:
@@ -192,11 +192,13 @@ def philox_ref(key: tuple[int, int], counter: tuple[torch.Tensor, ...], rounds: 
 
 
 def random_bits_ref(seed: int, offset: int, shape, device=None) -> torch.Tensor:
-    """The 32-bit words ``tl.randint(seed, offset + i)`` draws for i = 0 .. numel - 1 (int64 counters),
-    as an int64 tensor of ``shape`` (row-major): the random stream of stochastic rounding."""
-    i = offset + torch.arange(math.prod(shape), dtype=torch.int64, device=device)
+    """The random stream of stochastic rounding, as an int64 tensor of 32-bit words of ``shape``
+    (numel a multiple of 4): element i (row-major) takes word i % 4 of Triton's
+    ``tl.randint4x(seed, offset + i // 4)`` (int64 counters: the high word in the second counter word)."""
+    i = offset + torch.arange(math.prod(shape) // 4, dtype=torch.int64, device=device)
     zero = torch.zeros_like(i)
-    return philox_ref((seed & _M32, seed >> 32), (i & _M32, (i >> 32) & _M32, zero, zero))[0].view(shape)
+    words = philox_ref((seed & _M32, seed >> 32), (i & _M32, (i >> 32) & _M32, zero, zero))
+    return torch.stack(words, -1).view(shape)
 
 
 def e2m1_codes_sr_ref(v: torch.Tensor, rbits: torch.Tensor) -> torch.Tensor:
@@ -226,8 +228,8 @@ def _check_rounding(rounding: str, seed: int, offset: int, numel: int, name: str
     if not (isinstance(seed, int) and isinstance(offset, int)):
         raise TypeError(f"{name}: seed and offset must be Python ints, got {type(seed).__name__} and "
                         f"{type(offset).__name__}")
-    if not (0 <= seed < _SEED_LIMIT and 0 <= offset and offset + numel <= _SEED_LIMIT):
-        raise ValueError(f"{name}: need 0 <= seed < 2^63 and 0 <= offset, offset + numel <= 2^63, got seed "
+    if not (0 <= seed < _SEED_LIMIT and 0 <= offset and offset + numel // 4 <= _SEED_LIMIT):
+        raise ValueError(f"{name}: need 0 <= seed < 2^63 and 0 <= offset, offset + numel / 4 <= 2^63, got seed "
                          f"{seed}, offset {offset}, numel {numel}")
     return True
 
@@ -280,7 +282,7 @@ def quantize_ref(
     (E, ..., K) with one per expert (returned as fp32); computed from the whole of x when None.
     A global scale that is not positive and finite gives meaningless scales. ``rounding``: "nearest"
     (ties to even) or "stochastic" (``e2m1_codes_sr_ref``; element i of x's row-major order draws
-    ``random_bits_ref(seed, offset, ...)[i]``, so a call covers counters [offset, offset + numel))."""
+    ``random_bits_ref(seed, offset, ...)[i]``, so a call uses Philox counters [offset, offset + numel / 4))."""
     _check_blocks(x, "nvfp4.quantize")
     stochastic = _check_rounding(rounding, seed, offset, x.numel(), "nvfp4.quantize")
     if global_scale is not None:
@@ -608,10 +610,10 @@ def quantize(
 
     ``rounding="stochastic"`` (gradients): each value rounds to one of its two neighbouring e2m1 values
     with probability proportional to its distance from the other, so the quantization is unbiased;
-    element i (x's row-major order) draws Philox ``tl.randint(seed, offset + i)``. Python ints
-    ``0 <= seed < 2^63``, ``offset >= 0``: the same (seed, offset) gives the same bits; a caller that
-    advances ``offset`` by ``x.numel()`` per call never reuses a random number. Scales, saturation and
-    underflow are those of round-to-nearest."""
+    element i (x's row-major order) draws word i % 4 of Philox ``tl.randint4x(seed, offset + i // 4)``.
+    Python ints ``0 <= seed < 2^63``, ``offset >= 0``: the same (seed, offset) gives the same bits; a
+    caller that advances ``offset`` by ``x.numel() // 4`` per call never reuses a random number. Scales,
+    saturation and underflow are those of round-to-nearest."""
     _check_blocks(x, "nvfp4.quantize")
     stochastic = _check_rounding(rounding, seed, offset, x.numel(), "nvfp4.quantize")
     if global_scale is not None:

@@ -19,7 +19,8 @@ tensor, computed on the device; nothing syncs with the host. Master weights and 
 the parameters' dtype; the bias, SwiGLU and routing weights stay in the activation dtype.
 
 Stochastic rounding draws from ``nvfp4.quantize``'s Philox stream: each module owns a seed and a
-counter that advances by the size of every stochastically rounded tensor (host integers), so a run
+counter that advances by the Philox counters each stochastically rounded tensor uses (numel / 4, host
+integers), so a run
 is reproducible from its seeds, and a CUDA graph captured over it replays the captured counters.
 """
 
@@ -91,8 +92,8 @@ def hadamard16(x: torch.Tensor, signs: torch.Tensor, *, inverse: bool = False) -
         raise ValueError(f"hadamard16: signs must be ({HADAMARD},), got {tuple(signs.shape)}")
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
     q = signs.to(cdt)[:, None] * hadamard_matrix(device=x.device, dtype=cdt) * 0.25  # (16, 16)
-    blocks = x.to(cdt).unflatten(-1, (-1, HADAMARD))
-    return (blocks @ (q.T if inverse else q)).flatten(-2).to(x.dtype)
+    blocks = x.to(cdt).contiguous().view(-1, HADAMARD)  # one (rows, 16) @ (16, 16) GEMM
+    return (blocks @ (q.T if inverse else q)).view(x.shape).to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -109,7 +110,8 @@ def _decode(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def _quantize(x: torch.Tensor, stochastic: bool, stream: RandomStream | None) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., K) along K -> (decoded bf16 (..., K), global scale fp32 0-dim)."""
     if stochastic:
-        values, scales, g = nvfp4.quantize(x, rounding="stochastic", seed=stream.seed, offset=stream.take(x.numel()))
+        values, scales, g = nvfp4.quantize(x, rounding="stochastic", seed=stream.seed,
+                                        offset=stream.take(x.numel() // 4))
     else:
         values, scales, g = nvfp4.quantize(x)
     return _decode(values, scales), g

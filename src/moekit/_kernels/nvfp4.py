@@ -6,7 +6,8 @@
 * ``_quantize_kernel``: (G, R, K) -> packed e2m1 codes (G * R, K / 2) and e4m3 block scales
   (G * R, K / 16), from one global scale per group (or one for all); 1x16 blocks along K, or 16x16
   blocks (16 rows x 16 elements along K share one scale); e2m1 rounding to nearest even, or stochastic
-  on Philox random bits (``tl.randint(seed, offset + element index)``, reproduced by ``philox_ref``).
+  on Philox random bits (element i takes word i % 4 of ``tl.randint4x(seed, offset + i // 4)``,
+  reproduced by ``random_bits_ref``).
 * ``_dequantize_kernel``: the inverse, to fp32 (or a narrower float).
 * ``_to_blocked_kernel`` / ``_to_blocked_ragged_kernel``: block scales -> 128 x 4 tiles of 512 bytes.
 
@@ -204,7 +205,7 @@ def _quantize_kernel(
     x, values, scales, gscale,  # x (G, R, K) strided; values (G*R, K/2), scales (G*R, K/16) uint8; gscale fp32
     R, K, stride_g, stride_r, stride_k,
     G_STRIDE,  # 1: gscale (G,) holds one global scale per group; 0: gscale[0] for all
-    seed, offset,  # STOCHASTIC: element i of the (G*R, K) output draws tl.randint(seed, offset + i)
+    seed, offset,  # STOCHASTIC: element i of the (G*R, K) output draws word i % 4 of randint4x(seed, offset + i // 4)
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_2D: tl.constexpr, STOCHASTIC: tl.constexpr,
 ):
     pid_m, pid_k, gi = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -216,8 +217,10 @@ def _quantize_kernel(
     g = tl.load(gscale + gi * G_STRIDE)
     out_rows = (gi.to(tl.int64) * R + rows)[:, None]
     rbits = 0
-    if STOCHASTIC:
-        rbits = tl.randint(seed, offset + out_rows * K + cols[None, :])  # int64 counters: hi word in c1
+    if STOCHASTIC:  # one Philox counter per 4 consecutive elements (K % 16 == 0: never across rows)
+        quad = pid_k * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 4)
+        c0, c1, c2, c3 = tl.randint4x(seed, offset + out_rows * (K // 4) + quad[None, :])  # int64: hi word in c1
+        rbits = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), [BLOCK_M, BLOCK_K])  # c0 c1 c2 c3 c0 ...
     packed, s_code = _quantize_tile(xt.to(tl.float32), g, rbits, BLOCK_M, BLOCK_K, BLOCK_2D, STOCHASTIC)
     vcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
     tl.store(values + out_rows * (K // 2) + vcols[None, :], packed, mask=row_ok[:, None] & (vcols < K // 2)[None, :])
