@@ -148,12 +148,15 @@ def compare_nvfp4(args, runs) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for name, color in (("bf16", "C0"), ("nvfp4", "C3")):
-            ax.plot(runs[name], color=color, alpha=0.25, lw=0.8)
-            ax.plot(smooth(runs[name]), color=color, label=f"{name} (final {smooth(runs[name])[-1]:.3f})")
-        ax.set(xlabel="step", ylabel="loss (nats per byte)", title="tiny MoE LM: bf16 vs NVFP4 experts")
+        fig, (ax, dax) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True, height_ratios=(3, 1.4))
+        for name, color, style in (("bf16", "C0", "-"), ("nvfp4", "C3", "--")):
+            ax.plot(runs[name], color=color, alpha=0.2, lw=0.8)
+            ax.plot(smooth(runs[name]), color=color, ls=style, label=f"{name} (final {smooth(runs[name])[-1]:.3f})")
+        ax.set(ylabel="loss (nats per byte)", title="tiny MoE LM: bf16 vs NVFP4 experts, same init and batches")
         ax.legend()
+        dax.plot([100 * (y - x) / x for x, y in zip(a, b, strict=True)], color="k", lw=1)
+        dax.axhline(0, color="0.6", lw=0.8)
+        dax.set(xlabel="step", ylabel="nvfp4 vs bf16 (%)\n20-step means")
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
         print(f"wrote {args.plot}")

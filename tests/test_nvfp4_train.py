@@ -312,3 +312,25 @@ def test_moe_nvfp4_kernels_match_the_reference(interpreter):
         want = _grads(quant, x, dy)
     for a, b in zip(got, want, strict=True):
         assert _rel(a, b) < 0.03
+
+
+@gpu
+def test_moe_nvfp4_on_cuda_has_no_host_sync_and_matches_the_reference():
+    """On a GPU the kernels path: forward and backward without a host sync (sync debug mode "error"),
+    and gradients near the reference path's (the same streams; bf16 accumulation-order noise)."""
+    torch.manual_seed(1)
+    moe = moekit.MoE(256, 128, 8, 2, nvfp4=TrainingRecipe(seed=3), dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(512, 256, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    dy = torch.randn(512, 256, dtype=torch.bfloat16, device="cuda")
+    _grads(moe, x, dy)  # compile the kernels first
+    moe.experts.nvfp4.stream.offset = 0
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = _grads(moe, x, dy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    moe.experts.nvfp4.stream.offset = 0
+    with moekit.options(reference=True):
+        want = _grads(moe, x, dy)
+    for a, b in zip(got, want, strict=True):
+        assert _rel(a, b) < 0.03
