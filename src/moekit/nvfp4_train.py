@@ -49,7 +49,8 @@ class TrainingRecipe:
       weights always round to nearest;
     - ``random_hadamard``: the wgrad operands rotated by ``hadamard16`` along the rows;
     - ``seed``: the seed of the stochastic rounding and of the Hadamard signs; None draws one from
-      torch's global generator when a module is built (reproducible under ``torch.manual_seed``).
+      torch's global generator when a module is built (reproducible under ``torch.manual_seed``; it
+      advances that generator, so weights initialized after it differ from a build without NVFP4).
     Activations are always quantized in 1x16 blocks.
     """
 
