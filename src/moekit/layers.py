@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from .experts import grouped_mm_downproj, grouped_mm_swiglu
+from .nvfp4_train import NVFP4Training
 from .routing import combine, sorted_weights, topk_router
 
 ACTIVATIONS = {
@@ -32,6 +33,9 @@ class GroupedExperts(nn.Module):
     read token rows in place and the result is still (R, D) in expert-sorted order. ``row_scale_R``
     (R,) float32 scales each row's SwiGLU output before the down-projection (the routing weights, so
     that the combine is a plain sum); the bias is not scaled.
+
+    ``nvfp4``: True or a :class:`moekit.nvfp4.TrainingRecipe` runs the two expert GEMMs and their
+    backward on emulated NVFP4 operands (``moekit.nvfp4_train``); the parameters stay as they are.
     """
 
     def __init__(
@@ -43,6 +47,7 @@ class GroupedExperts(nn.Module):
         bias: bool = False,
         activation: str = "swiglu",
         gate_up_layout: str = "interleaved",
+        nvfp4=None,
         device=None,
         dtype=None,
         **swiglu,
@@ -66,6 +71,7 @@ class GroupedExperts(nn.Module):
             self.register_parameter("mlp1_bias_EG", None)
             self.register_parameter("mlp2_bias_ED", None)
         self.reset_parameters()
+        self.nvfp4 = NVFP4Training.build(nvfp4, device)
 
     def reset_parameters(self, init_std: float = 0.02) -> None:
         for p in (self.mlp1_weight_EGD, self.mlp2_weight_EDF, self.mlp1_bias_EG, self.mlp2_bias_ED):
@@ -81,6 +87,8 @@ class GroupedExperts(nn.Module):
         row_scale_R: torch.Tensor | None = None,
     ) -> torch.Tensor:
         offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+        if self.nvfp4 is not None:
+            return self.nvfp4.experts(self, x_RD, offs, token_idx_R, row_scale_R)
         w1, w2 = self.mlp1_weight_EGD, self.mlp2_weight_EDF
         if w1.dtype != x_RD.dtype:
             w1, w2 = w1.to(x_RD.dtype), w2.to(x_RD.dtype)
@@ -121,8 +129,8 @@ class MoE(nn.Module):
     - Balancing: ``aux_loss=True`` leaves the switch-style load-balancing loss of the last forward in
       ``self.aux_loss``. Aux-loss-free: ``tokens_per_expert`` accumulates routed counts on the device,
       and ``update_expert_bias(rate)`` nudges ``expert_bias`` (used for the choice only) toward balance.
-    - Experts: ``bias`` and ``activation`` as in :class:`GroupedExperts` (plus any ``swiglu_*`` or
-      ``gate_up_layout`` keyword). The defaults are the gpt-oss block (expert and router biases, the
+    - Experts: ``bias`` and ``activation`` as in :class:`GroupedExperts` (plus any ``swiglu_*``,
+      ``gate_up_layout`` or ``nvfp4`` keyword). The defaults are the gpt-oss block (expert and router biases, the
       gpt-oss SwiGLU); ``bias=False, router_bias=False, activation="swiglu"`` is the Qwen3 / Mixtral /
       DeepSeek / OLMoE block.
 

@@ -25,8 +25,10 @@ weight scales form their own tiles (``to_blocked_experts_ref``).
 Public ops, each with its pure-PyTorch ``*_ref`` twin (the CPU path and the tests' oracle), bit-exact
 with it; on CUDA (and under ``TRITON_INTERPRET=1``) they run the kernels of ``_kernels/nvfp4.py``, with
 no host sync (``to_blocked_ragged`` reads ``offs`` on the device) and CUDA-graph safe:
-- ``quantize(x, global_scale=None)``: activations (..., K); with ``global_scale=None`` the amax is
-  reduced on the device;
+- ``quantize(x, global_scale=None, *, rounding="nearest", seed=0, offset=0)``: activations (..., K); with
+  ``global_scale=None`` the amax is reduced on the device; ``rounding="stochastic"`` rounds each value
+  up or down at random, unbiased, on the Philox stream ``tl.randint4x(seed, offset + i // 4)`` that
+  ``random_bits_ref`` reproduces in torch (gradients in the NVFP4 training recipe);
 - ``quantize_weights(w, global_scale=None, *, block_2d=False)``: weights (E, K, N) along K, per-expert
   global scales, 1x16 blocks or the 16x16 blocks of the NVFP4 training recipe;
 - ``dequantize(values, scales, global_scale, *, dtype=torch.float32)``;
@@ -61,6 +63,7 @@ INTERLEAVE = 8  # the gate/up column granularity of the "interleaved8" layout
 # Midpoints between neighbouring magnitudes; a value exactly on one rounds to the even code.
 _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
+ROUNDINGS = ("nearest", "stochastic")  # the e2m1 rounding modes of ``quantize``
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what quantize reads and dequantize writes
 SCALE_DTYPES = (torch.float8_e4m3fn, torch.uint8)  # what the layout functions move (uint8: raw scale bytes)
 
@@ -156,6 +159,81 @@ def e2m1_codes_ref(v: torch.Tensor) -> torch.Tensor:
     return (code + 8 * sign).to(torch.uint8)
 
 
+# --------------------------------------------------------------------------------------------------
+# stochastic rounding: Triton's Philox stream in torch, and the e2m1 rounding that draws from it
+# --------------------------------------------------------------------------------------------------
+
+_M32 = 0xFFFFFFFF
+_PHILOX_KEY = (0x9E3779B9, 0xBB67AE85)
+_PHILOX_ROUND = (0xD2511F53, 0xCD9E8D57)
+_SEED_LIMIT = 2**63
+
+
+def _mul32(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) 32-bit words of a * b for a (int64 in [0, 2^32)) and a 32-bit constant b: the product
+    is below 2^64, and int64 multiplication keeps its 64 bits (two's complement wraparound), so an
+    arithmetic shift and a mask give the high word."""
+    p = a * b
+    return (p >> 32) & _M32, p & _M32
+
+
+def philox_ref(key: tuple[int, int], counter: tuple[torch.Tensor, ...], rounds: int = 10) -> tuple[torch.Tensor, ...]:
+    """Philox-4x32 (Salmon et al. 2011; Random123's ``philox4x32``), Triton's ``philox_impl``: a 64-bit
+    key as two 32-bit words, four int64 tensors of 32-bit counter words -> four int64 tensors of
+    32-bit output words."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for _ in range(rounds):
+        hi_b, lo_b = _mul32(c2, _PHILOX_ROUND[1])
+        hi_a, lo_a = _mul32(c0, _PHILOX_ROUND[0])
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _PHILOX_KEY[0]) & _M32, (k1 + _PHILOX_KEY[1]) & _M32
+    return c0, c1, c2, c3
+
+
+def random_bits_ref(seed: int, offset: int, shape, device=None) -> torch.Tensor:
+    """The random stream of stochastic rounding, as an int64 tensor of 32-bit words of ``shape``
+    (numel a multiple of 4): element i (row-major) takes word i % 4 of Triton's
+    ``tl.randint4x(seed, offset + i // 4)`` (int64 counters: the high word in the second counter word)."""
+    i = offset + torch.arange(math.prod(shape) // 4, dtype=torch.int64, device=device)
+    zero = torch.zeros_like(i)
+    words = philox_ref((seed & _M32, seed >> 32), (i & _M32, (i >> 32) & _M32, zero, zero))
+    return torch.stack(words, -1).view(shape)
+
+
+def e2m1_codes_sr_ref(v: torch.Tensor, rbits: torch.Tensor) -> torch.Tensor:
+    """fp32 values (already divided by their scales) and a 32-bit random word each (int64) -> 4-bit e2m1
+    codes, stochastically rounded: the magnitude saturates at 6 (NaN -> 0), then rounds up to the next
+    e2m1 magnitude with probability (|v| - lo) / (hi - lo), in the uniform u = (bits >> 8) * 2^-24 < that
+    fraction. Exact in fp32 (``|v| - lo`` by Sterbenz, the gaps powers of two), so E[value] = v up to
+    2^-24 of a gap."""
+    v = v.float()
+    mag = torch.nan_to_num(v.abs(), nan=0.0).clamp(max=E2M1_MAX)
+    grid = torch.tensor(E2M1_VALUES[1:], dtype=torch.float32, device=v.device)
+    code = torch.bucketize(mag.contiguous(), grid, right=True)  # grid[code - 1] <= mag < grid[code]
+    lo = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=v.device)[code]
+    inv_gap = torch.where(code >= 6, 0.5, torch.where(code >= 4, 1.0, 2.0))
+    u = (rbits >> 8).float() * 2.0**-24
+    code = code + ((u < (mag - lo) * inv_gap) & (code < 7)).long()
+    sign = (v < 0) & (code > 0)
+    return (code + 8 * sign).to(torch.uint8)
+
+
+def _check_rounding(rounding: str, seed: int, offset: int, numel: int, name: str) -> bool:
+    """Whether ``rounding`` is stochastic; checks the mode and that seed and offset + numel fit 63 bits."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"{name}: rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    if rounding == "nearest":
+        return False
+    if not (isinstance(seed, int) and isinstance(offset, int)):
+        raise TypeError(f"{name}: seed and offset must be Python ints, got {type(seed).__name__} and "
+                        f"{type(offset).__name__}")
+    if not (0 <= seed < _SEED_LIMIT and 0 <= offset and offset + numel // 4 <= _SEED_LIMIT):
+        raise ValueError(f"{name}: need 0 <= seed < 2^63 and 0 <= offset, offset + numel / 4 <= 2^63, got seed "
+                         f"{seed}, offset {offset}, numel {numel}")
+    return True
+
+
 def e2m1_values_ref(codes: torch.Tensor) -> torch.Tensor:
     """4-bit codes (uint8) -> fp32 values."""
     table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
@@ -180,27 +258,39 @@ def _leading(g: torch.Tensor, ndim: int) -> torch.Tensor:
     return g.float().reshape(g.shape + (1,) * (ndim - g.dim()))
 
 
-def _quantize_blocks(blocks: torch.Tensor, g0: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """blocks (..., K / 16, 16) fp32 with their amaxes (..., K / 16, 1) -> (values, scales)."""
+def _quantize_blocks(
+    blocks: torch.Tensor, g0: torch.Tensor, amax: torch.Tensor, rbits: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
+    """blocks (..., K / 16, 16) fp32 with their amaxes (..., K / 16, 1) -> (values, scales); with
+    ``rbits`` (blocks' shape, int64 random words) the e2m1 rounding is stochastic."""
     g = _leading(g0, blocks.dim())
     scales = (amax / (E2M1_MAX * g)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     denom = scales.float() * g
     safe = torch.where(denom > 0, denom, torch.ones_like(denom))
-    codes = torch.where(denom > 0, e2m1_codes_ref(blocks / safe), torch.zeros_like(blocks, dtype=torch.uint8))
+    q = blocks / safe
+    codes = e2m1_codes_ref(q) if rbits is None else e2m1_codes_sr_ref(q, rbits)
+    codes = torch.where(denom > 0, codes, torch.zeros_like(codes))
     return pack_ref(codes.flatten(-2)), scales.squeeze(-1)
 
 
-def quantize_ref(x: torch.Tensor, global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+def quantize_ref(
+    x: torch.Tensor, global_scale: torch.Tensor | None = None, *, rounding: str = "nearest", seed: int = 0,
+    offset: int = 0,
+) -> tuple[torch.Tensor, ...]:
     """x (..., K) bf16 / fp16 / fp32, K % 16 == 0 -> (values (..., K / 2) float4_e2m1fn_x2, scales
     (..., K / 16) float8_e4m3fn, global_scale). ``global_scale``: a 0-dim float tensor, or (E,) for x
     (E, ..., K) with one per expert (returned as fp32); computed from the whole of x when None.
-    A global scale that is not positive and finite gives meaningless scales."""
+    A global scale that is not positive and finite gives meaningless scales. ``rounding``: "nearest"
+    (ties to even) or "stochastic" (``e2m1_codes_sr_ref``; element i of x's row-major order draws
+    ``random_bits_ref(seed, offset, ...)[i]``, so a call uses Philox counters [offset, offset + numel / 4))."""
     _check_blocks(x, "nvfp4.quantize")
+    stochastic = _check_rounding(rounding, seed, offset, x.numel(), "nvfp4.quantize")
     if global_scale is not None:
         _check_global_scale(global_scale, x, "nvfp4.quantize")
     g0 = global_scale_ref(x) if global_scale is None else global_scale.float()
     blocks = x.float().unflatten(-1, (-1, BLOCK))  # (..., K / 16, 16)
-    values, scales = _quantize_blocks(blocks, g0, _finite_abs(blocks).amax(-1, keepdim=True))
+    rbits = random_bits_ref(seed, offset, blocks.shape, x.device) if stochastic else None
+    values, scales = _quantize_blocks(blocks, g0, _finite_abs(blocks).amax(-1, keepdim=True), rbits)
     return values, scales, g0
 
 
@@ -353,9 +443,11 @@ def global_scale_fwd(x3: torch.Tensor) -> torch.Tensor:
     return gscale
 
 
-def quantize_fwd(x3: torch.Tensor, gscale: torch.Tensor, per_group: bool, block_2d: bool):
+def quantize_fwd(x3: torch.Tensor, gscale: torch.Tensor, per_group: bool, block_2d: bool,
+                 stochastic: bool = False, seed: int = 0, offset: int = 0):
     """x3 (G, R, K) float, any strides; gscale (G,) fp32 when ``per_group``, else (1,) -> (values
-    (G * R, K / 2) uint8, scales (G * R, K / 16) uint8). ``block_2d``: 16 x 16 blocks over (R, K)."""
+    (G * R, K / 2) uint8, scales (G * R, K / 16) uint8). ``block_2d``: 16 x 16 blocks over (R, K).
+    ``stochastic``: element i of the (G * R, K) output rounds on ``tl.randint(seed, offset + i)``."""
     groups, r, k = x3.shape
     values = config.empty((groups * r, k // 2), dtype=torch.uint8, device=x3.device)
     scales = config.empty((groups * r, k // BLOCK), dtype=torch.uint8, device=x3.device)
@@ -366,7 +458,8 @@ def quantize_fwd(x3: torch.Tensor, gscale: torch.Tensor, per_group: bool, block_
         x3, values, scales, gscale,
         r, k, *x3.stride(),
         int(per_group),
-        BLOCK_M=bm, BLOCK_K=bk, BLOCK_2D=block_2d,
+        seed, offset,
+        BLOCK_M=bm, BLOCK_K=bk, BLOCK_2D=block_2d, STOCHASTIC=stochastic,
         num_warps=4,
     )
     return values, scales
@@ -441,13 +534,14 @@ def _(x3):
 
 @torch.library.custom_op("moekit::nvfp4_quantize", mutates_args=())
 def _quantize_op(
-    x3: torch.Tensor, gscale: torch.Tensor, per_group: bool, block_2d: bool
+    x3: torch.Tensor, gscale: torch.Tensor, per_group: bool, block_2d: bool, stochastic: bool = False,
+    seed: int = 0, offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_fwd(x3, gscale, per_group, block_2d)
+    return quantize_fwd(x3, gscale, per_group, block_2d, stochastic, seed, offset)
 
 
 @_quantize_op.register_fake
-def _(x3, gscale, per_group, block_2d):
+def _(x3, gscale, per_group, block_2d, stochastic=False, seed=0, offset=0):
     g, r, k = x3.shape
     return x3.new_empty((g * r, k // 2), dtype=torch.uint8), x3.new_empty((g * r, k // BLOCK), dtype=torch.uint8)
 
@@ -502,25 +596,36 @@ def _device_scale(global_scale: torch.Tensor) -> torch.Tensor:
     return global_scale.float().reshape(-1).contiguous()
 
 
-def quantize(x: torch.Tensor, global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+def quantize(
+    x: torch.Tensor, global_scale: torch.Tensor | None = None, *, rounding: str = "nearest", seed: int = 0,
+    offset: int = 0,
+) -> tuple[torch.Tensor, ...]:
     """Quantize activations x (..., K) bf16 / fp16 / fp32, K % 16 == 0, to NVFP4 -> (values (..., K / 2)
     float4_e2m1fn_x2, scales (..., K / 16) float8_e4m3fn, global_scale fp32), bit for bit
     ``quantize_ref``.
 
     ``global_scale``: a 0-dim float tensor, or (E,) for x (E, ..., K) with one per leading index, on x's
     device; returned as given (as fp32). With None it is computed on the device (``global_scale_ref``
-    of all of x) and returned 0-dim. No host sync either way; with a given scale, CUDA-graph safe."""
+    of all of x) and returned 0-dim. No host sync either way; with a given scale, CUDA-graph safe.
+
+    ``rounding="stochastic"`` (gradients): each value rounds to one of its two neighbouring e2m1 values
+    with probability proportional to its distance from the other, so the quantization is unbiased;
+    element i (x's row-major order) draws word i % 4 of Philox ``tl.randint4x(seed, offset + i // 4)``.
+    Python ints ``0 <= seed < 2^63``, ``offset >= 0``: the same (seed, offset) gives the same bits; a
+    caller that advances ``offset`` by ``x.numel() // 4`` per call never reuses a random number. Scales,
+    saturation and underflow are those of round-to-nearest."""
     _check_blocks(x, "nvfp4.quantize")
+    stochastic = _check_rounding(rounding, seed, offset, x.numel(), "nvfp4.quantize")
     if global_scale is not None:
         _check_global_scale(global_scale, x, "nvfp4.quantize")
     if not config.uses_triton(x.device):
-        return quantize_ref(x, global_scale)
+        return quantize_ref(x, global_scale, rounding=rounding, seed=seed, offset=offset)
     k = x.shape[-1]
     per_group = global_scale is not None and global_scale.dim() == 1
     lead = x.shape[0] if per_group else 1
     x3 = x.reshape(lead, math.prod(x.shape[:-1]) // max(lead, 1), k)  # (G, R, K)
     gscale = _device_scale(global_scale) if global_scale is not None else _run(_global_scale_op, global_scale_fwd, x3)
-    values, scales = _run(_quantize_op, quantize_fwd, x3, gscale, per_group, False)
+    values, scales = _run(_quantize_op, quantize_fwd, x3, gscale, per_group, False, stochastic, seed, offset)
     g_out = global_scale.float() if global_scale is not None else gscale.reshape(())
     return (values.view(torch.float4_e2m1fn_x2).view(*x.shape[:-1], k // 2),
             scales.view(torch.float8_e4m3fn).view(*x.shape[:-1], k // BLOCK), g_out)
@@ -600,3 +705,7 @@ def to_blocked_ragged(scales: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         return to_blocked_ragged_ref(scales, offs)
     out = _run(_to_blocked_ragged_op, to_blocked_ragged_fwd, scales.view(torch.uint8), offs)
     return out.view(scales.dtype)
+
+
+# NVFP4 training (the recipe, the random Hadamard transform), reachable as moekit.nvfp4.*
+from .nvfp4_train import TrainingRecipe, hadamard16  # noqa: E402, F401

@@ -5,7 +5,9 @@
   all-zero group). Together they compute a global scale on the device, without a host sync.
 * ``_quantize_kernel``: (G, R, K) -> packed e2m1 codes (G * R, K / 2) and e4m3 block scales
   (G * R, K / 16), from one global scale per group (or one for all); 1x16 blocks along K, or 16x16
-  blocks (16 rows x 16 elements along K share one scale).
+  blocks (16 rows x 16 elements along K share one scale); e2m1 rounding to nearest even, or stochastic
+  on Philox random bits (element i takes word i % 4 of ``tl.randint4x(seed, offset + i // 4)``,
+  reproduced by ``random_bits_ref``).
 * ``_dequantize_kernel``: the inverse, to fp32 (or a narrower float).
 * ``_to_blocked_kernel`` / ``_to_blocked_ragged_kernel``: block scales -> 128 x 4 tiles of 512 bytes.
 
@@ -99,11 +101,29 @@ def _e2m1_value(code):
 
 
 @triton.jit
-def nvfp4_quantize_tile(x, g, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_2D: tl.constexpr):
-    """Quantize a [BLOCK_M, BLOCK_K] fp32 tile with global scale ``g`` (fp32 scalar) -> (packed codes
-    [BLOCK_M, BLOCK_K / 2] uint8, the even element in the low nibble; e4m3 scale codes
-    [BLOCK_M, BLOCK_K / 16] uint8). ``BLOCK_2D``: each 16 x 16 sub-tile shares the scale of its amax
-    (BLOCK_M a multiple of 16, the tile's rows aligned to the 16-row blocks)."""
+def _e2m1_code_sr(q, rbits):
+    """fp32 values already divided by their scales, and 32 random bits per value (uint32) -> 4-bit e2m1
+    codes, stochastically rounded: up to the next magnitude with probability (|q| - lo) / (hi - lo), lo
+    and hi the neighbouring e2m1 magnitudes, so that the expected value is q. Saturates at +-6 first;
+    NaN -> 0. Exact: ``|q| - lo`` is exact (lo <= |q| <= 2 lo), the gaps are powers of two, and the
+    uniform is the random word's top 24 bits times 2^-24 (P(up) is the fraction rounded up to 2^-24)."""
+    mag = tl.where(q == q, tl.abs(q), 0.0)
+    mag = tl.where(mag > 6.0, 6.0, mag)
+    code = (mag >= 0.5).to(tl.int32) + (mag >= 1.0).to(tl.int32) + (mag >= 1.5).to(tl.int32)
+    code += (mag >= 2.0).to(tl.int32) + (mag >= 3.0).to(tl.int32) + (mag >= 4.0).to(tl.int32)
+    code += (mag >= 6.0).to(tl.int32)
+    inv_gap = tl.where(code >= 6, 0.5, tl.where(code >= 4, 1.0, 2.0))
+    frac = (mag - _e2m1_value(code)) * inv_gap
+    u = (rbits >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2^-24
+    code += ((u < frac) & (code < 7)).to(tl.int32)
+    return code + 8 * ((q < 0) & (code > 0)).to(tl.int32)
+
+
+@triton.jit
+def _quantize_tile(x, g, rbits, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_2D: tl.constexpr,
+                   STOCHASTIC: tl.constexpr):
+    """``nvfp4_quantize_tile``, and with ``STOCHASTIC`` the e2m1 rounding of ``_e2m1_code_sr`` on the
+    random bits ``rbits`` [BLOCK_M, BLOCK_K] uint32 (unused otherwise)."""
     NB: tl.constexpr = BLOCK_K // 16
     blocks = tl.reshape(x, [BLOCK_M, NB, 16])
     amax = tl.max(_finite_abs(blocks), axis=2)  # [BLOCK_M, NB]
@@ -116,9 +136,22 @@ def nvfp4_quantize_tile(x, g, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOC
     denom = tl.where(ratio == ratio, _e4m3_value(s_code), ratio) * g
     ok = denom > 0  # a scale that underflowed e4m3 (or a NaN one): zero codes
     q = tl.math.div_rn(blocks, tl.broadcast_to(tl.where(ok, denom, 1.0)[:, :, None], [BLOCK_M, NB, 16]))
-    codes = tl.where(ok[:, :, None], _e2m1_code(q), 0)
+    if STOCHASTIC:
+        c = _e2m1_code_sr(q, tl.reshape(rbits, [BLOCK_M, NB, 16]))
+    else:
+        c = _e2m1_code(q)
+    codes = tl.where(ok[:, :, None], c, 0)
     lo, hi = tl.split(tl.reshape(codes, [BLOCK_M, BLOCK_K // 2, 2]))
     return (lo | (hi << 4)).to(tl.uint8), s_code.to(tl.uint8)
+
+
+@triton.jit
+def nvfp4_quantize_tile(x, g, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_2D: tl.constexpr):
+    """Quantize a [BLOCK_M, BLOCK_K] fp32 tile with global scale ``g`` (fp32 scalar) -> (packed codes
+    [BLOCK_M, BLOCK_K / 2] uint8, the even element in the low nibble; e4m3 scale codes
+    [BLOCK_M, BLOCK_K / 16] uint8). ``BLOCK_2D``: each 16 x 16 sub-tile shares the scale of its amax
+    (BLOCK_M a multiple of 16, the tile's rows aligned to the 16-row blocks)."""
+    return _quantize_tile(x, g, 0, BLOCK_M, BLOCK_K, BLOCK_2D, False)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -172,7 +205,8 @@ def _quantize_kernel(
     x, values, scales, gscale,  # x (G, R, K) strided; values (G*R, K/2), scales (G*R, K/16) uint8; gscale fp32
     R, K, stride_g, stride_r, stride_k,
     G_STRIDE,  # 1: gscale (G,) holds one global scale per group; 0: gscale[0] for all
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_2D: tl.constexpr,
+    seed, offset,  # STOCHASTIC: element i of the (G*R, K) output draws word i % 4 of randint4x(seed, offset + i // 4)
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_2D: tl.constexpr, STOCHASTIC: tl.constexpr,
 ):
     pid_m, pid_k, gi = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -181,8 +215,13 @@ def _quantize_kernel(
     src = x + gi.to(tl.int64) * stride_g + rows[:, None].to(tl.int64) * stride_r
     xt = tl.load(src + cols[None, :].to(tl.int64) * stride_k, mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
     g = tl.load(gscale + gi * G_STRIDE)
-    packed, s_code = nvfp4_quantize_tile(xt.to(tl.float32), g, BLOCK_M, BLOCK_K, BLOCK_2D)
     out_rows = (gi.to(tl.int64) * R + rows)[:, None]
+    rbits = 0
+    if STOCHASTIC:  # one Philox counter per 4 consecutive elements (K % 16 == 0: never across rows)
+        quad = pid_k * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 4)
+        c0, c1, c2, c3 = tl.randint4x(seed, offset + out_rows * (K // 4) + quad[None, :])  # int64: hi word in c1
+        rbits = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), [BLOCK_M, BLOCK_K])  # c0 c1 c2 c3 c0 ...
+    packed, s_code = _quantize_tile(xt.to(tl.float32), g, rbits, BLOCK_M, BLOCK_K, BLOCK_2D, STOCHASTIC)
     vcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
     tl.store(values + out_rows * (K // 2) + vcols[None, :], packed, mask=row_ok[:, None] & (vcols < K // 2)[None, :])
     scols = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)

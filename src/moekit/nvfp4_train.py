@@ -1,0 +1,260 @@
+"""NVFP4 training of the expert MLPs: NVIDIA's NVFP4 pretraining recipe, emulated on bf16 GEMMs.
+
+Each expert GEMM ``y = x @ W[g]`` (a :class:`NVFP4GroupedLinear`) runs its three GEMMs on NVFP4 operands:
+
+- forward ``y = x @ W``: x in 1x16 blocks along K (round to nearest), W in 16x16 blocks
+  (``TrainingRecipe.weight_block_2d``), so that the same quantized W serves ``W^T`` in the dgrad;
+- dgrad ``dx = dy @ W^T``: dy in 1x16 blocks along N, stochastically rounded;
+- wgrad ``dW[g] = x^T dy`` over the expert's rows: both operands in 1x16 blocks along the rows (the
+  reduction), dy stochastically rounded, both first rotated by the same random Hadamard transform of
+  size 16 along the rows (``hadamard16``), which spreads outliers over each block and cancels in the
+  product. Each expert's rows are padded to a multiple of 16 (on the device: rows move to a buffer
+  sized by the static bound M + 15 E), so that no block or rotation mixes two experts.
+
+Emulation: an operand decodes to bf16 without its global scale (an e2m1 value times an e4m3 scale is
+exact in bf16), the GEMM runs in bf16 with fp32 accumulation (``moekit.grouped_mm``: the Triton kernels
+on CUDA, the reference on CPU) and the product of the two global scales multiplies the fp32 result:
+the arithmetic of an NVFP4 tensor-core GEMM, up to the accumulation order. Global scales are per
+tensor, computed on the device; nothing syncs with the host. Master weights and their gradients keep
+the parameters' dtype; the bias, SwiGLU and routing weights stay in the activation dtype.
+
+Stochastic rounding draws from ``nvfp4.quantize``'s Philox stream: each module owns a seed and a
+counter that advances by the Philox counters each stochastically rounded tensor uses (numel / 4, host
+integers), so a run
+is reproducible from its seeds, and a CUDA graph captured over it replays the captured counters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import nvfp4
+from .experts import swiglu
+from .grouped_gemm import grouped_mm
+
+HADAMARD = 16  # the rotation's size: one NVFP4 block
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingRecipe:
+    """What the NVFP4 expert GEMMs quantize, and how (NVIDIA's recipe by default).
+
+    - ``weight_block_2d``: weights in 16x16 blocks (one quantization for W and W^T), else 1x16 blocks
+      along each GEMM's reduction dim (W requantized along N for the dgrad);
+    - ``stochastic_rounding``: gradients rounded stochastically (else to nearest); activations and
+      weights always round to nearest;
+    - ``random_hadamard``: the wgrad operands rotated by ``hadamard16`` along the rows;
+    - ``seed``: the seed of the stochastic rounding and of the Hadamard signs; None draws one from
+      torch's global generator when a module is built (reproducible under ``torch.manual_seed``; it
+      advances that generator, so weights initialized after it differ from a build without NVFP4).
+    Activations are always quantized in 1x16 blocks.
+    """
+
+    weight_block_2d: bool = True
+    stochastic_rounding: bool = True
+    random_hadamard: bool = True
+    seed: int | None = None
+
+
+# --------------------------------------------------------------------------------------------------
+# the random Hadamard transform
+# --------------------------------------------------------------------------------------------------
+
+
+def hadamard_matrix(n: int = HADAMARD, *, device=None, dtype=torch.float32) -> torch.Tensor:
+    """The (n, n) Sylvester Hadamard matrix (entries +-1, n a power of two), symmetric, H H^T = n I."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"hadamard_matrix: n must be a power of two, got {n}")
+    h = torch.ones(1, 1, device=device, dtype=dtype)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def random_signs(seed: int, *, device=None) -> torch.Tensor:
+    """(16,) fp32 random +-1 from ``seed`` (a CPU generator, so every device gets the same signs)."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 2, (HADAMARD,), generator=gen) * 2 - 1).float().to(device)
+
+
+def hadamard16(x: torch.Tensor, signs: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+    """The random Hadamard transform of size 16 over each block of 16 along the last dim:
+    x (..., K), K % 16 == 0, signs (16,) of +-1 -> x_b @ Q for each block x_b, Q = diag(signs) H / 4,
+    orthonormal (Q Q^T = I), so that (x Q) . (y Q) = x . y over a reduction along the last dim.
+    ``inverse``: x_b @ Q^T. Computed in fp32 (fp64 for fp64 input), returned in x's dtype. A torch op
+    (a (..., 16) @ (16, 16) matmul) on every device."""
+    if x.shape[-1] % HADAMARD:
+        raise ValueError(f"hadamard16: the last dim must be a multiple of {HADAMARD}, got {tuple(x.shape)}")
+    if signs.shape != (HADAMARD,):
+        raise ValueError(f"hadamard16: signs must be ({HADAMARD},), got {tuple(signs.shape)}")
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    q = signs.to(cdt)[:, None] * hadamard_matrix(device=x.device, dtype=cdt) * 0.25  # (16, 16)
+    blocks = x.to(cdt).contiguous().view(-1, HADAMARD)  # one (rows, 16) @ (16, 16) GEMM
+    return (blocks @ (q.T if inverse else q)).view(x.shape).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# emulated NVFP4 operands
+# --------------------------------------------------------------------------------------------------
+
+
+def _decode(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """NVFP4 values and block scales -> bf16 without the global scale: exact (e2m1 x e4m3 fits bf16)."""
+    one = torch.ones((), dtype=torch.float32, device=values.device)
+    return nvfp4.dequantize(values, scales, one, dtype=torch.bfloat16)
+
+
+def _quantize(x: torch.Tensor, stochastic: bool, stream: RandomStream | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., K) along K -> (decoded bf16 (..., K), global scale fp32 0-dim)."""
+    if stochastic:
+        values, scales, g = nvfp4.quantize(x, rounding="stochastic", seed=stream.seed,
+                                        offset=stream.take(x.numel() // 4))
+    else:
+        values, scales, g = nvfp4.quantize(x)
+    return _decode(values, scales), g
+
+
+def _quantize_weights(w: torch.Tensor, block_2d: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (E, K, N) along K -> (decoded (E, N, K) bf16, global scales (E,) fp32, one per expert)."""
+    values, scales, g = nvfp4.quantize_weights(w, block_2d=block_2d)
+    return _decode(values, scales), g
+
+
+def row_experts(offs: torch.Tensor, rows: int) -> torch.Tensor:
+    """(rows,) int64: the expert of each row, E for rows past offs[-1] (on the device)."""
+    return torch.searchsorted(offs.long(), torch.arange(rows, device=offs.device), right=True)
+
+
+class RandomStream:
+    """A seed and a counter of the Philox stream: ``take(n)`` returns the counter and moves it by n."""
+
+    def __init__(self, seed: int):
+        self.seed, self.offset = seed, 0
+
+    def take(self, n: int) -> int:
+        offset, self.offset = self.offset, self.offset + n
+        return offset
+
+
+def padded_rows(offs: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Each expert's rows moved to start at a multiple of 16: offs (E,) int32 cumulative ends over
+    ``rows`` rows -> (dest (rows,) int64: each row's place, ``bound`` for rows past offs[-1];
+    padded_offs (E,) int32; bound = rows + 15 E rounded up to 16, the padded row count). On the device."""
+    e = offs.numel()
+    bound = -(-(rows + (HADAMARD - 1) * e) // HADAMARD) * HADAMARD
+    ends = offs.long()
+    counts = torch.diff(ends, prepend=ends.new_zeros(1)).clamp(min=0)
+    padded = (counts + HADAMARD - 1) // HADAMARD * HADAMARD
+    padded_ends = padded.cumsum(0)
+    shift = F.pad((padded_ends - padded) - (ends - counts), (0, 1))  # padded start - start; the extra: unused
+    expert = row_experts(offs, rows)
+    dest = torch.arange(rows, device=offs.device) + shift[expert]
+    return torch.where(expert < e, dest, bound), padded_ends.to(torch.int32), bound
+
+
+def _to_padded(t: torch.Tensor, dest: torch.Tensor, bound: int) -> torch.Tensor:
+    """t (rows, C) -> (C, bound) fp32: rows scattered to their padded places (zeros between), transposed
+    so that the rows are the last dim (the quantization and rotation axis)."""
+    out = t.new_zeros(bound + 1, t.shape[1], dtype=torch.float32)  # the last row takes rows past offs[-1]
+    out.index_copy_(0, dest, t.float())
+    return out[:bound].T
+
+
+# --------------------------------------------------------------------------------------------------
+# the NVFP4 grouped GEMM with its backward
+# --------------------------------------------------------------------------------------------------
+
+
+class NVFP4GroupedLinearFn(torch.autograd.Function):
+    """x (M, K) expert-sorted rows, w (E, K, N) (any strides), offs (E,) int32 -> (M, N) in x's dtype,
+    the three GEMMs on NVFP4 operands as ``TrainingRecipe`` says; rows past offs[-1] are 0."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs, recipe, signs, stream):
+        xd, gx = _quantize(x, False, None)  # (M, K)
+        wd, gw = _quantize_weights(w, recipe.weight_block_2d)  # (E, N, K), (E,)
+        gw_rows = F.pad(gw, (0, 1))[row_experts(offs, x.shape[0])]  # (M,): rows past offs[-1] are 0 anyway
+        y = grouped_mm(xd, wd.mT, offs, out_dtype=torch.float32) * (gx * gw_rows)[:, None]
+        ctx.save_for_backward(x, None if recipe.weight_block_2d else w, wd, gw_rows, offs, signs)
+        ctx.recipe, ctx.stream, ctx.w_dtype = recipe, stream, w.dtype
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, wd, gw_rows, offs, signs = ctx.saved_tensors
+        recipe, stream = ctx.recipe, ctx.stream
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dyd, gdy = _quantize(dy, recipe.stochastic_rounding, stream)  # (M, N) along N
+            if not recipe.weight_block_2d:  # 1x16 blocks along N for W^T: w.mT (E, N, K) quantized along N
+                wd, gw = _quantize_weights(w.mT, False)  # (E, K, N)
+                wd, gw_rows = wd.mT, F.pad(gw, (0, 1))[row_experts(offs, x.shape[0])]
+            dx = grouped_mm(dyd, wd, offs, out_dtype=torch.float32) * (gdy * gw_rows)[:, None]
+            dx = dx.to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dest, padded_offs, bound = padded_rows(offs, x.shape[0])
+            xt, dyt = _to_padded(x, dest, bound), _to_padded(dy, dest, bound)  # (K, Mp), (N, Mp)
+            if recipe.random_hadamard:
+                xt, dyt = hadamard16(xt, signs), hadamard16(dyt, signs)
+            xtd, gx = _quantize(xt, False, None)
+            dytd, gdy = _quantize(dyt, recipe.stochastic_rounding, stream)
+            dw = grouped_mm(xtd, dytd.T, padded_offs, out_dtype=torch.float32) * (gx * gdy)  # (E, K, N)
+            dw = dw.to(ctx.w_dtype)
+        return dx, dw, None, None, None, None
+
+
+class NVFP4Training(nn.Module):
+    """The NVFP4 state of one :class:`moekit.GroupedExperts`: its recipe, the Hadamard signs (a
+    non-persistent buffer: state dicts do not change) and the stochastic-rounding stream."""
+
+    def __init__(self, recipe: TrainingRecipe, device=None):
+        super().__init__()
+        seed = recipe.seed if recipe.seed is not None else int(torch.randint(0, 2**62, (1,)))
+        self.recipe = dataclasses.replace(recipe, seed=seed)
+        self.stream = RandomStream(seed)
+        self.register_buffer("signs", random_signs(seed, device=device), persistent=False)
+
+    @staticmethod
+    def build(nvfp4_arg, device=None) -> NVFP4Training | None:
+        """``GroupedExperts(nvfp4=...)``: None / False -> None, True -> the default recipe, a recipe."""
+        if nvfp4_arg is None or nvfp4_arg is False:
+            return None
+        if nvfp4_arg is True:
+            nvfp4_arg = TrainingRecipe()
+        if not isinstance(nvfp4_arg, TrainingRecipe):
+            raise TypeError(f"nvfp4 must be a bool or a moekit.nvfp4.TrainingRecipe, got {type(nvfp4_arg).__name__}")
+        return NVFP4Training(nvfp4_arg, device)
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """x (M, K) @ w (E, K, N) per expert on NVFP4 operands -> (M, N)."""
+        return NVFP4GroupedLinearFn.apply(x, w, offs, self.recipe, self.signs, self.stream)
+
+    def experts(self, mod, x_RD, offs, token_idx_R=None, row_scale_R=None) -> torch.Tensor:
+        """The forward of ``GroupedExperts`` ``mod`` on NVFP4 GEMMs: same arguments, same result up to
+        the quantization. The SwiGLU runs unfused (``moekit.swiglu``)."""
+        if token_idx_R is not None:
+            x_RD = x_RD[token_idx_R.long()]
+        expert = row_experts(offs, x_RD.shape[0])
+        pre = self.linear(x_RD, mod.mlp1_weight_EGD.mT, offs)  # (R, 2F)
+        if mod.mlp1_bias_EG is not None:
+            pre = pre + F.pad(mod.mlp1_bias_EG.to(pre.dtype), (0, 0, 0, 1))[expert]
+        h = swiglu(pre, **mod.swiglu)  # (R, F)
+        if row_scale_R is not None:
+            h = (h.float() * row_scale_R[:, None]).to(h.dtype)
+        out = self.linear(h, mod.mlp2_weight_EDF.mT, offs)  # (R, D)
+        if mod.mlp2_bias_ED is not None:
+            out = out + F.pad(mod.mlp2_bias_ED.to(out.dtype), (0, 0, 0, 1))[expert]
+        return out
+
+    def extra_repr(self) -> str:
+        return str(self.recipe)
+
+
+__all__ = [
+    "NVFP4GroupedLinearFn", "NVFP4Training", "RandomStream", "TrainingRecipe", "hadamard16", "hadamard_matrix",
+    "padded_rows", "random_signs", "row_experts",
+]
