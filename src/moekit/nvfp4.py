@@ -707,5 +707,14 @@ def to_blocked_ragged(scales: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return out.view(scales.dtype)
 
 
-# NVFP4 training (the recipe, the random Hadamard transform), reachable as moekit.nvfp4.*
-from .nvfp4_train import TrainingRecipe, hadamard16  # noqa: E402, F401
+_TRAINING_NAMES = ("TrainingRecipe", "hadamard16")
+
+
+def __getattr__(name: str):
+    """NVFP4 training's recipe and random Hadamard transform, reachable as ``moekit.nvfp4.*``. They live
+    in ``moekit.nvfp4_train``, which imports this module, so they are looked up on first use."""
+    if name in _TRAINING_NAMES:
+        from . import nvfp4_train
+
+        return getattr(nvfp4_train, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
