@@ -57,7 +57,8 @@ def plot(tables: dict[str, str], path: str) -> None:
         ax.set_xticks(range(len(shapes)), shapes, fontsize=7, rotation=30, ha="right")
         ax.set_ylabel("TF/s (fwd + bwd)")
         ax.set_title(title)
-        ax.legend(fontsize=8, loc="lower right")
+        ax.set_ylim(0, 1.2 * max(data.values(), default=1))  # headroom for the legend above the bars
+        ax.legend(fontsize=8, loc="upper center", ncol=len(impls))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
