@@ -140,6 +140,22 @@ def _bad_inputs(rank, world):
         ep.load_full_state_dict({k: v[:1] if k.startswith("experts.") else v for k, v in ep.state_dict().items()})
 
 
+def _device_splits_need_equal_tokens(rank, world):
+    """Fixed slots are sized from the local token count: a rank with another count is caught on the
+    device (every rank sees the mismatch, so none hangs in a later collective)."""
+    ep = ExpertParallelMoE(D, F, E, 2, dtype=BF16, splits="device")
+    with pytest.raises(RuntimeError, match="same number of tokens"):
+        ep(torch.randn(5 + rank, D).to(BF16))
+
+
+def _from_moe_keeps_nvfp4(rank, world):
+    from moekit.nvfp4 import TrainingRecipe
+
+    recipe = TrainingRecipe(seed=3)
+    ep = ExpertParallelMoE.from_moe(MoE(D, F, E, 2, dtype=BF16, nvfp4=recipe))
+    assert ep.experts.nvfp4 is not None and ep.experts.nvfp4.recipe == recipe
+
+
 def _compiled_over_the_kernels(rank, world):
     """torch.compile of the whole block over the Triton kernels (interpreter): the collectives are
     graph breaks, the router, permutations and experts compile; the result equals eager."""
@@ -190,6 +206,8 @@ CASES = {  # name: the case, run on every rank; the comment says what it covers
     "state-dict-round-trip": _state_dict_round_trip,
     "expert-bias-replicated": _expert_bias_stays_replicated,
     "bad-inputs": _bad_inputs,
+    "device-splits-unequal-tokens": _device_splits_need_equal_tokens,
+    "from-moe-nvfp4": _from_moe_keeps_nvfp4,
     "reshard-2-to-4": _reshard_2_to_4,
     "compile": _compiled_over_the_kernels,
     "fsdp2": _fsdp2_on_the_router,

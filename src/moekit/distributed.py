@@ -28,7 +28,7 @@ tells every rank how many rows each source sends for each of its experts.
   as zeros and carry zero gradients. Every rank must pass the same number of tokens. The price: the
   link carries W * min(K, El) / K times the rows of the "host" path (W times once El >= K), and the
   expert activations are allocated for W * cap rows; ``python -m moekit bench --ep-model`` prints
-  both paths' all-to-all times.
+  both paths' modelled all-to-all times.
 
 No token is ever dropped: there is no capacity limit.
 
@@ -239,14 +239,19 @@ def all_to_all_wait(out: torch.Tensor, ex: _Exchange) -> torch.Tensor:
 
 
 @torch.compiler.disable
-def _exchange_counts(counts_CE: torch.Tensor, world: int, group) -> torch.Tensor:
-    """counts_CE (C, E) rows per expert of each chunk on this rank -> (C, W, El) int64: rows each
-    source rank sends for each of this rank's experts, per chunk."""
+def _exchange_counts(counts_CE: torch.Tensor, top_k: int, world: int, group):
+    """counts_CE (C, E) rows per expert of each chunk on this rank -> ((C, W, El) int64: rows each source
+    rank sends for each of this rank's experts, per chunk; (C, W) int64: each source rank's token count
+    per chunk, sum(counts) / K, which never leaves the device), in one all-to-all."""
     c, e = counts_CE.shape
-    send = counts_CE.long().view(c, world, e // world).transpose(0, 1).contiguous()  # (W, C, El)
+    counts = counts_CE.long()
+    tokens = (counts.sum(1) // top_k).view(c, 1, 1).expand(c, world, 1)
+    send = torch.cat([counts.view(c, world, e // world), tokens], 2)  # (C, W, El + 1)
+    send = send.transpose(0, 1).contiguous()  # (W, C, El + 1)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
-    return recv.transpose(0, 1)
+    recv = recv.transpose(0, 1)
+    return recv[..., :-1], recv[..., -1]
 
 
 @torch.compiler.disable
@@ -346,7 +351,7 @@ class ExpertParallelMoE(nn.Module):
             ex.dim, ex.hidden_dim, ex.num_experts, moe.top_k, group=group, splits=splits, chunks=chunks,
             bias=ex.mlp1_bias_EG is not None, router_bias=moe.router.bias is not None, score_func=moe.score_func,
             renormalize=moe.renormalize, aux_loss=moe.use_aux_loss, device=ex.mlp1_weight_EGD.device,
-            dtype=ex.mlp1_weight_EGD.dtype, **ex.swiglu,
+            dtype=ex.mlp1_weight_EGD.dtype, nvfp4=None if ex.nvfp4 is None else ex.nvfp4.recipe, **ex.swiglu,
         )
         out.load_full_state_dict(moe.state_dict())
         return out
@@ -424,7 +429,12 @@ class ExpertParallelMoE(nn.Module):
             self.tokens_per_expert += r.counts
         self.aux_loss = r.aux_loss
         chunks = self._chunks(r, x2.shape[0])
-        recv_counts = _exchange_counts(torch.stack([c.routing.counts for c in chunks]), self.world, self.group)
+        counts_CE = torch.stack([c.routing.counts for c in chunks])
+        recv_counts, recv_tokens = _exchange_counts(counts_CE, self.top_k, self.world, self.group)
+        if self.splits == "device":  # fixed slots need the same token count on every rank (checked on the device)
+            mine = counts_CE.long().sum(1, keepdim=True) // self.top_k  # (C, 1)
+            torch._assert_async((recv_tokens == mine).all(),
+                                "ExpertParallelMoE: splits='device' needs the same number of tokens on every rank")
         send_counts = torch.stack([c.routing.counts.view(self.world, -1).sum(1) for c in chunks])  # (C, W)
         host = _host_splits(send_counts, recv_counts.sum(2)) if self.splits == "host" else None
         scaled = self.experts.mlp2_bias_ED is None  # weights applied before the (linear) down-projection

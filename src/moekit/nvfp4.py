@@ -447,7 +447,8 @@ def quantize_fwd(x3: torch.Tensor, gscale: torch.Tensor, per_group: bool, block_
                  stochastic: bool = False, seed: int = 0, offset: int = 0):
     """x3 (G, R, K) float, any strides; gscale (G,) fp32 when ``per_group``, else (1,) -> (values
     (G * R, K / 2) uint8, scales (G * R, K / 16) uint8). ``block_2d``: 16 x 16 blocks over (R, K).
-    ``stochastic``: element i of the (G * R, K) output rounds on ``tl.randint(seed, offset + i)``."""
+    ``stochastic``: element i of the (G * R, K) output rounds on word i % 4 of
+    ``tl.randint4x(seed, offset + i // 4)``."""
     groups, r, k = x3.shape
     values = config.empty((groups * r, k // 2), dtype=torch.uint8, device=x3.device)
     scales = config.empty((groups * r, k // BLOCK), dtype=torch.uint8, device=x3.device)
@@ -613,7 +614,8 @@ def quantize(
     element i (x's row-major order) draws word i % 4 of Philox ``tl.randint4x(seed, offset + i // 4)``.
     Python ints ``0 <= seed < 2^63``, ``offset >= 0``: the same (seed, offset) gives the same bits; a
     caller that advances ``offset`` by ``x.numel() // 4`` per call never reuses a random number. Scales,
-    saturation and underflow are those of round-to-nearest."""
+    saturation and underflow are those of round-to-nearest, so the rounding is unbiased except where a
+    block's e4m3 scale rounded down and its largest values saturate at 6 (up to ~6% toward zero)."""
     _check_blocks(x, "nvfp4.quantize")
     stochastic = _check_rounding(rounding, seed, offset, x.numel(), "nvfp4.quantize")
     if global_scale is not None:

@@ -20,8 +20,12 @@ the parameters' dtype; the bias, SwiGLU and routing weights stay in the activati
 
 Stochastic rounding draws from ``nvfp4.quantize``'s Philox stream: each module owns a seed and a
 counter that advances by the Philox counters each stochastically rounded tensor uses (numel / 4, host
-integers), so a run
-is reproducible from its seeds, and a CUDA graph captured over it replays the captured counters.
+integers), so a run started from the same seeds is reproducible. Limits of that host counter:
+- a CUDA graph captured over a step replays the captured counters, so every replay rounds with the
+  same random bits (the noise is frozen, not averaged out over steps);
+- the counter and a drawn seed are not in the state dict, so a resumed run does not continue the
+  stream;
+- data-parallel replicas seeded alike draw the same bits; give each rank its own ``seed``.
 """
 
 from __future__ import annotations
@@ -169,12 +173,20 @@ def _to_padded(t: torch.Tensor, dest: torch.Tensor, bound: int) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 
 
+def _zero_tail(t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """t (M, ...) with its rows at or past offs[-1] (no expert's) set to 0, on the device: whatever they
+    hold must not move a per-tensor global scale, since the GEMMs ignore them."""
+    keep = torch.arange(t.shape[0], device=t.device) < offs[-1:]  # (M,)
+    return torch.where(keep.view(-1, *([1] * (t.dim() - 1))), t, 0)
+
+
 class NVFP4GroupedLinearFn(torch.autograd.Function):
     """x (M, K) expert-sorted rows, w (E, K, N) (any strides), offs (E,) int32 -> (M, N) in x's dtype,
     the three GEMMs on NVFP4 operands as ``TrainingRecipe`` says; rows past offs[-1] are 0."""
 
     @staticmethod
     def forward(ctx, x, w, offs, recipe, signs, stream):
+        x = _zero_tail(x, offs)  # rows past offs[-1] stay out of the global scale
         xd, gx = _quantize(x, False, None)  # (M, K)
         wd, gw = _quantize_weights(w, recipe.weight_block_2d)  # (E, N, K), (E,)
         gw_rows = F.pad(gw, (0, 1))[row_experts(offs, x.shape[0])]  # (M,): rows past offs[-1] are 0 anyway
@@ -189,6 +201,7 @@ class NVFP4GroupedLinearFn(torch.autograd.Function):
         recipe, stream = ctx.recipe, ctx.stream
         dx = dw = None
         if ctx.needs_input_grad[0]:
+            dy = _zero_tail(dy, offs)
             dyd, gdy = _quantize(dy, recipe.stochastic_rounding, stream)  # (M, N) along N
             if not recipe.weight_block_2d:  # 1x16 blocks along N for W^T: w.mT (E, N, K) quantized along N
                 wd, gw = _quantize_weights(w.mT, False)  # (E, K, N)
