@@ -6,9 +6,9 @@ Routing and permutations must match exactly; numerics against float64 within PyT
 import pytest
 import torch
 
-from moekit import MoE, combine, combine_ref, gather_rows, routing_metadata_ref, topk_router
+from moekit import MoE, combine, combine_ref, gather_rows, router_topk_ref, routing_metadata_ref, topk_router
 from moekit.bench.baselines import TorchtitanMoE
-from moekit.routing import routing_metadata_fwd
+from moekit.routing import _router_topk_op, router_topk_fwd, routing_metadata_fwd
 from moekit.testing import assert_within_baseline
 
 BF16 = torch.bfloat16
@@ -27,6 +27,7 @@ def _ids(t, e, k, *, hot=None):
         pytest.param(37, 8, 2, False, id="odd-t"),  # partial metadata block
         pytest.param(300, 128, 8, False, id="qwen-like"),  # several blocks, E=128
         pytest.param(700, 128, 8, False, id="scan-loops"),  # more blocks than the scan's row chunk
+        pytest.param(300, 12, 3, False, id="e-not-pow2"),  # a scan program with masked expert columns
         pytest.param(1, 4, 4, False, id="t1-k-eq-e"),  # T=1 and K=E
         pytest.param(200, 16, 1, True, id="all-on-one"),  # every token on expert 0; 15 empty experts
         pytest.param(0, 8, 2, False, id="t0"),  # no tokens
@@ -58,6 +59,56 @@ def test_topk_router(interpreter, score_func, renormalize):
     assert torch.equal(r.counts.long(), counts)
     loss = 8 * (counts.double() / ids.numel() * scores.mean(0)).sum()
     torch.testing.assert_close(r.aux_loss.double(), loss, rtol=1e-5, atol=1e-6)
+
+
+def _tricky_logits(t, e):
+    """Random fp32 logits with exact ties, -0 against +0, -inf, and a NaN in some rows."""
+    lg = torch.randn(t, e)
+    lg[::3, 1] = lg[::3, 4 % e]  # exact ties
+    lg[1::5, : min(e, 6)] = 0.5  # a run of equal logits
+    lg[2::7, 0], lg[2::7, e - 1] = -0.0, 0.0
+    lg[4::9, e // 2] = float("-inf")
+    lg[5, e // 3] = float("nan")
+    return lg
+
+
+def _scores(lg, score_func):
+    return lg.softmax(-1) if score_func == "softmax" else lg.sigmoid()
+
+
+@pytest.mark.parametrize("e, k", [(8, 2), (40, 8), (128, 8), (6, 6)], ids=["e8k2", "e40k8", "e128k8", "k-eq-e"])
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "raw"])
+@pytest.mark.parametrize("biased", [False, True], ids=["no-bias", "expert-bias"])
+def test_router_topk_kernel_matches_reference(interpreter, e, k, score_func, renormalize, biased):
+    """The fused top-k kernel picks exactly the reference's experts (ties to the lower index, NaN
+    first, -0 equal to +0; on the logits, or on scores + expert bias) and gives its weights to fp32
+    rounding; T = 0 gives empty outputs."""
+    lg = _tricky_logits(67, e)
+    bias = torch.randn(e) * 0.05 if biased else None
+    scores = _scores(lg, score_func)
+    key = lg if bias is None else scores + bias
+    w, ids = router_topk_fwd(key, scores, k, renormalize)
+    w_ref, ids_ref = router_topk_ref(lg, k, score_func=score_func, renormalize=renormalize, expert_bias=bias)
+    assert ids.dtype == torch.int32 and torch.equal(ids.long(), ids_ref)
+    torch.testing.assert_close(w, w_ref, rtol=2e-6, atol=1e-7, equal_nan=True)
+    w0, ids0 = router_topk_fwd(key[:0], scores[:0], k, renormalize)
+    assert w0.shape == ids0.shape == (0, k)
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "raw"])
+def test_router_topk_backward_against_autograd(interpreter, score_func, renormalize):
+    """The fused router's gradient to the logits equals autograd through the reference in float64."""
+    lg = torch.randn(33, 16, requires_grad=True)
+    w, ids = _router_topk_op(lg.detach(), _scores(lg, score_func), 4, renormalize)
+    dw = torch.randn_like(w)
+    (got,) = torch.autograd.grad(w, lg, dw)
+    lg64 = lg.detach().double().requires_grad_()
+    w_ref, ids_ref = router_topk_ref(lg64, 4, score_func=score_func, renormalize=renormalize)
+    (want,) = torch.autograd.grad(w_ref, lg64, dw.double())
+    assert torch.equal(ids.long(), ids_ref)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
 
 
 def test_expert_bias_changes_choice_not_weights(interpreter):

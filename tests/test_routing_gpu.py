@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from moekit import MoE, routing_metadata_ref
+from moekit import MoE, router_topk_ref, routing_metadata_ref
 from moekit.bench.baselines import TorchtitanMoE
-from moekit.routing import routing_metadata_fwd
+from moekit.routing import router_topk_fwd, routing_metadata_fwd
 from moekit.testing import assert_within_baseline
 
 pytestmark = pytest.mark.gpu
@@ -18,6 +18,27 @@ def test_route_metadata_exact(t, e, k):
     ids = torch.rand(t, e, device=DEV).topk(k, -1).indices.to(torch.int32)
     for a, b in zip(routing_metadata_fwd(ids, e), routing_metadata_ref(ids, e), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("t, e, k", [(16384, 128, 8), (24576, 32, 4), (4000, 64, 6), (5, 256, 8)])
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_router_topk_exact(t, e, k, score_func):
+    """The fused router picks exactly the experts of the torch reference on the GPU (on the logits, or
+    on the scores plus an expert bias), ties and NaN included, with its weights to fp32 rounding."""
+    lg = torch.randn(t, e, device=DEV)
+    lg[::3, 1] = lg[::3, 2]  # exact ties
+    lg[1::5, :6] = 0.25
+    lg[2, 0] = float("nan")
+    lg[3::11, e // 2] = float("-inf")
+    scores = lg.softmax(-1) if score_func == "softmax" else lg.sigmoid()
+    for bias in (None, torch.zeros(e, device=DEV), torch.randn(e, device=DEV) * 0.05):
+        key = lg if bias is None else scores + bias
+        for renormalize in (True, False):
+            w, ids = router_topk_fwd(key, scores, k, renormalize)
+            w_ref, ids_ref = router_topk_ref(lg, k, score_func=score_func, renormalize=renormalize,
+                                             expert_bias=bias)
+            assert torch.equal(ids.long(), ids_ref)
+            torch.testing.assert_close(w, w_ref, rtol=2e-6, atol=1e-7, equal_nan=True)
 
 
 D, F = 576, 320  # neither a multiple of 128: both bias gradients ride on the weight-gradient GEMMs

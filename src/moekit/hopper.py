@@ -78,10 +78,10 @@ def ws_rows_setup(a, b, offs, c, out2, *, box_n: int):
     b_desc = weight_descriptor(b, bk, box_n, make=ws_desc)
     max_row_tiles = triton.cdiv(m, bm) + e
     table = torch.empty(4 * (max_row_tiles + 1), dtype=torch.int32, device=a.device)
-    hk._tile_table_kernel[(max(triton.cdiv(max_row_tiles, 128), 8),)](
+    hk._tile_table_kernel[(max(triton.cdiv(max_row_tiles, 32), 8),)](
         offs, table, c, out2, m, c.shape[1], out2.shape[1] if out2 is not c else 0, e,
         c.stride(0), out2.stride(0), max_row_tiles,
-        BLOCK_M=bm, BLOCK_E=triton.next_power_of_2(e + 1), BLOCK_T=128, BLOCK_Z=32, num_warps=4,
+        BLOCK_M=bm, BLOCK_E=triton.next_power_of_2(e + 1), BLOCK_T=32, BLOCK_Z=32, num_warps=4,
     )
     return a_desc, b_desc, table, min(config.num_sms(a.device), max_row_tiles * triton.cdiv(n, bn))
 

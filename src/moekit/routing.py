@@ -2,12 +2,14 @@
 
 Legend: T tokens, K experts per token, E experts, R = T*K routed rows, D model dim.
 
-``topk_router`` computes fp32 gate logits, softmax or sigmoid scores and the top-k (all plain torch
-ops, differentiable, no sync), then two Triton kernels turn the (T, K) expert ids into the
-expert-sorted order: per-expert ``counts`` and ``offs``, ``token_idx`` (R,) (the token of each sorted
-row) and ``row_of`` (T, K) (the sorted row of each token's k-th choice). The order is exactly that of
-a stable argsort of the flattened ids. ``combine`` sums each token's K expert rows weighted by its
-scores, in fp32, as a gather-reduce: deterministic forward and backward, no atomics.
+``topk_router`` computes fp32 gate logits and their softmax or sigmoid scores, then one Triton kernel
+picks each token's K experts and gathers their scores (``router_topk_ref`` is its torch twin;
+differentiable, no sync), and
+three Triton kernels turn the (T, K) expert ids into the expert-sorted order: per-expert ``counts``
+and ``offs``, ``token_idx`` (R,) (the token of each sorted row) and ``row_of`` (T, K) (the sorted row
+of each token's k-th choice). The order is exactly that of a stable argsort of the flattened ids.
+``combine`` sums each token's K expert rows weighted by its scores, in fp32, as a gather-reduce:
+deterministic forward and backward, no atomics.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ._kernels.routing import (
     _route_histogram_kernel,
     _route_scan_kernel,
     _route_scatter_kernel,
+    _router_topk_kernel,
 )
 
 _BLOCK = 128  # routed entries per program of the metadata kernels
@@ -65,6 +68,37 @@ def routing_metadata_ref(experts: torch.Tensor, num_experts: int):
     return counts, offs, (order // k).to(torch.int32), row_of.view_as(experts).to(torch.int32)
 
 
+def router_topk_ref(logits: torch.Tensor, top_k: int, *, score_func: str = "softmax", renormalize: bool = True,
+                    expert_bias: torch.Tensor | None = None):
+    """(weights (T, K) fp32, experts (T, K) int64) from fp32 logits (T, E), differentiable in the logits.
+
+    experts: per token, the K largest logits in descending order (softmax and sigmoid are increasing,
+    so these are the K largest scores), or with ``expert_bias`` (E,) the K largest scores + bias; ties
+    go to the lower index and NaN counts as the largest, as in a stable descending sort. weights: the
+    chosen experts' softmax or sigmoid scores, divided by their sum when ``renormalize``."""
+    scores = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
+    key = logits if expert_bias is None else scores + expert_bias.float()
+    experts = torch.sort(key, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = scores.gather(1, experts)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
+    return weights, experts
+
+
+def topk_weights_grad(dw: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor,
+                      renormalize: bool) -> torch.Tensor:
+    """The scores' gradient (T, E) of ``router_topk_ref``'s weights (the chosen experts' scores, divided
+    by their sum when ``renormalize``), given dw (T, K) and the chosen experts (T, K) int64."""
+    dw = dw.to(scores.dtype)
+    if renormalize:
+        picked = scores.gather(1, experts)
+        total = picked.sum(-1, keepdim=True)
+        kept = total >= 1e-20  # (below, the clamp holds the divisor constant)
+        w = picked / total.clamp_min(1e-20)
+        dw = (dw - kept * (w * dw).sum(-1, keepdim=True)) / total.clamp_min(1e-20)
+    return torch.zeros_like(scores).scatter(1, experts, dw)
+
+
 def combine_ref(y: torch.Tensor, weights: torch.Tensor | None, row_of: torch.Tensor) -> torch.Tensor:
     """out[t] = sum_k weights[t, k] * y[row_of[t, k]] in fp32 (weights=None: plain sum), in y.dtype."""
     gathered = y[row_of.long()].float()  # (T, K, D)
@@ -96,12 +130,32 @@ def routing_metadata_fwd(experts: torch.Tensor, num_experts: int):
     counts = config.empty((num_experts,), dtype=torch.int32, device=dev)
     offs = config.empty((num_experts,), dtype=torch.int32, device=dev)
     block_base = config.empty((blocks, num_experts), dtype=torch.int32, device=dev)
-    _route_scan_kernel[(1,)](block_counts, counts, offs, block_base, blocks, num_experts,
-                             BLOCK_B=max(1, 4096 // block_e), BLOCK_E=block_e)
+    block_c = min(8, block_e)  # experts per scan program
+    block_b = 16 if config.is_interpreting() else 4096 // block_c  # (the tests' tables loop too)
+    _route_scan_kernel[(triton.cdiv(num_experts, block_c),)](
+        block_counts, counts, block_base, blocks, num_experts, BLOCK_B=block_b, BLOCK_C=block_c
+    )
     _route_scatter_kernel[(blocks,)](
-        flat, block_base, row_of, token_idx, r, num_experts, k, BLOCK=_BLOCK, BLOCK_E=block_e
+        flat, counts, offs, block_base, row_of, token_idx, r, num_experts, k, BLOCK=_BLOCK, BLOCK_E=block_e
     )
     return counts, offs, token_idx, row_of
+
+
+def router_topk_fwd(key: torch.Tensor, scores: torch.Tensor, top_k: int, renormalize: bool):
+    """Triton twin of ``router_topk_ref``'s choice: key, scores (T, E) fp32 -> (weights (T, K) fp32,
+    experts (T, K) int32): the K largest keys (ties to the lower index, NaN first) and the scores there,
+    divided by their sum when ``renormalize``."""
+    t, e = key.shape
+    weights = config.empty((t, top_k), dtype=torch.float32, device=key.device)
+    experts = config.empty((t, top_k), dtype=torch.int32, device=key.device)
+    if t:
+        block_e = triton.next_power_of_2(e)
+        block_t = max(1, min(64, 4096 // block_e))
+        _router_topk_kernel[(triton.cdiv(t, block_t),)](
+            key, scores, weights, experts, t, e, key.stride(0), scores.stride(0), K=top_k, RENORM=renormalize,
+            BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
+        )
+    return weights, experts
 
 
 def gather_rows_with_ones(x: torch.Tensor, token_idx: torch.Tensor) -> torch.Tensor:
@@ -169,6 +223,31 @@ def _(experts, num_experts):
     i32 = dict(dtype=torch.int32)
     return (experts.new_empty(num_experts, **i32), experts.new_empty(num_experts, **i32),
             experts.new_empty(experts.numel(), **i32), experts.new_empty(experts.shape, **i32))
+
+
+@torch.library.custom_op("moekit::router_topk", mutates_args=())
+def _router_topk_op(key: torch.Tensor, scores: torch.Tensor, top_k: int,
+                    renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return router_topk_fwd(key, scores, top_k, renormalize)
+
+
+@_router_topk_op.register_fake
+def _(key, scores, top_k, renormalize):
+    t = key.shape[0]
+    return key.new_empty((t, top_k), dtype=torch.float32), key.new_empty((t, top_k), dtype=torch.int32)
+
+
+def _router_topk_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1], output[1])
+    ctx.renormalize = inputs[3]
+
+
+def _router_topk_backward(ctx, dw, _):
+    scores, experts = ctx.saved_tensors
+    return None, topk_weights_grad(dw, scores, experts.long(), ctx.renormalize), None, None
+
+
+_router_topk_op.register_autograd(_router_topk_backward, setup_context=_router_topk_setup)
 
 
 @torch.library.custom_op("moekit::combine", mutates_args=())
@@ -272,9 +351,10 @@ def topk_router(
 ) -> Routing:
     """Route tokens x (T, D) to ``top_k`` of E experts with gate ``weight`` (E, D) and ``bias`` (E,).
 
-    Logits are computed in fp32; ``score_func`` is "softmax" or "sigmoid". ``expert_bias`` (E,) is
-    added to the scores for the choice only (aux-loss-free balancing); the returned weights are the
-    unbiased scores, renormalized over the K choices when ``renormalize``. ``aux_loss=True`` also
+    Logits are computed in fp32; ``score_func`` is "softmax" or "sigmoid". Each token goes to the
+    experts of its K largest logits, ties to the lower index (``router_topk_ref``). ``expert_bias``
+    (E,) is added to the scores for the choice only (aux-loss-free balancing); the returned weights
+    are the unbiased scores, renormalized over the K choices when ``renormalize``. ``aux_loss=True`` also
     returns the switch-style load-balancing loss ``E * sum_e f_e * P_e`` (f_e: fraction of routed
     entries on e, P_e: mean score of e). Nothing here reads the device from the host.
     """
@@ -286,17 +366,19 @@ def topk_router(
     if score_func not in ("softmax", "sigmoid"):
         raise ValueError(f"topk_router: score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
     logits = router_logits(x, weight, bias)
-    scores = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
-    choice = scores if expert_bias is None else scores + expert_bias.float()
-    experts = choice.topk(top_k, dim=-1).indices
-    weights = scores.gather(1, experts)
-    if renormalize:
-        weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
-    experts = experts.to(torch.int32)
-    counts, offs, token_idx, row_of = _metadata(experts, num_experts)  # topk's ids are all in range
+    if config.uses_triton(logits.device):  # the choice and the gather in one kernel, no sort
+        scores = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
+        key = logits if expert_bias is None else scores + expert_bias.float()
+        weights, experts = _router_topk_op(key, scores, top_k, renormalize)
+    else:
+        weights, experts = router_topk_ref(logits, top_k, score_func=score_func, renormalize=renormalize,
+                                           expert_bias=expert_bias)
+        experts = experts.to(torch.int32)
+    counts, offs, token_idx, row_of = _metadata(experts, num_experts)  # the chosen ids are all in range
     loss = None
     if aux_loss:
         frac = counts.float() / max(experts.numel(), 1)
+        scores = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
         loss = num_experts * (frac * scores.mean(0)).sum()
     return Routing(weights, experts, counts, offs, token_idx, row_of, loss)
 

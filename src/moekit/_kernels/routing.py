@@ -1,10 +1,14 @@
-"""Routing metadata and the weighted combine, all deterministic (no atomics).
+"""Router top-k, routing metadata and the weighted combine, all deterministic (no atomics).
 
+* ``_router_topk_kernel``: per token, the K largest entries of a choice key (ties to the lower index,
+  NaN above everything, as torch's stable descending sort orders them) and the scores at those
+  experts, renormalized over the K if asked.
 * ``_route_histogram_kernel``: per block of routed entries, how many go to each expert.
-* ``_route_scan_kernel``: one program turns the per-block counts into per-expert ``counts`` and ``offs``
-  and each block's first sorted row per expert (an exclusive scan down the blocks).
-* ``_route_scatter_kernel``: each entry's row in the expert-sorted order, i.e. the position a stable
-  argsort of the flattened expert ids would give it, and the token of every sorted row.
+* ``_route_scan_kernel``: per-expert ``counts`` and each block's first row among its expert's rows (an
+  exclusive scan down the blocks, one program per few experts).
+* ``_route_scatter_kernel``: ``offs``, and each entry's row in the expert-sorted order, i.e. the
+  position a stable argsort of the flattened expert ids would give it, and the token of every sorted
+  row.
 * ``_combine_kernel``: out[t] = sum_k w[t, k] * y[row_of[t, k]] in fp32 (gather-reduce).
 * ``_combine_bwd_kernel``: dy[row_of[t, k]] = w[t, k] * dout[t], and dw[t, k] = <dout[t], y[row_of[t, k]]>;
   without w (a plain sum) it copies dout[t] to the K rows and reads no y.
@@ -22,6 +26,42 @@ def _one_hot(ids, BLOCK_E: tl.constexpr):
     return (ids[:, None] == tl.arange(0, BLOCK_E)[None, :]).to(tl.int32)
 
 
+INT32_MIN = tl.constexpr(-(2**31))
+
+
+@triton.jit
+def _router_topk_kernel(
+    key, scores, weights, experts, T, E, stride_key, stride_scores,  # key, scores (T, E) fp32
+    K: tl.constexpr, RENORM: tl.constexpr,  # weights (T, K) fp32, experts (T, K) int32
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    cols = tl.arange(0, BLOCK_E)
+    ok = row_ok[:, None] & (cols[None, :] < E)
+    v = tl.load(key + rows[:, None].to(tl.int64) * stride_key + cols[None, :], mask=ok, other=0.0)
+    # the choice runs on an order-preserving int32 key: -0 counts as +0, every NaN above +inf, and the
+    # padding columns (and each chosen column) below every float
+    bits = tl.where(v == 0.0, 0.0, v).to(tl.int32, bitcast=True)
+    order = tl.where(v == v, bits ^ ((bits >> 31) & 0x7FFFFFFF), 0x7FFFFFFF)
+    order = tl.where(ok, order, INT32_MIN)
+    kcols = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_T, BLOCK_K], tl.int32)
+    for k in tl.static_range(K):
+        best = tl.max(order, 1)
+        idx = tl.min(tl.where(order == best[:, None], cols[None, :], BLOCK_E), 1)
+        ids = tl.where(kcols[None, :] == k, idx[:, None], ids)
+        order = tl.where(cols[None, :] == idx[:, None], INT32_MIN, order)
+    mask = row_ok[:, None] & (kcols[None, :] < K)
+    w = tl.load(scores + rows[:, None].to(tl.int64) * stride_scores + ids, mask=mask, other=0.0)
+    if RENORM:  # (a NaN sum stays NaN, as in torch's clamp_min; tl.maximum would drop it)
+        total = tl.sum(w, 1)
+        w = w / tl.where(total < 1e-20, 1e-20, total)[:, None]
+    out = rows[:, None] * K + kcols[None, :]
+    tl.store(weights + out, w, mask=mask)
+    tl.store(experts + out, ids, mask=mask)
+
+
 @triton.jit
 def _route_histogram_kernel(
     experts, block_counts, R, E,  # experts (R,) int32 flattened (T, K) ids; block_counts (num_blocks, E)
@@ -37,22 +77,15 @@ def _route_histogram_kernel(
 
 @triton.jit
 def _route_scan_kernel(
-    block_counts, counts, offs, block_base, NB, E,  # block_counts, block_base (NB, E); counts, offs (E,)
-    BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr,
+    block_counts, counts, block_base, NB, E,  # block_counts, block_base (NB, E); counts (E,)
+    BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    # A single program: the table is small (R / 128 rows of E int32), and one pass over it in one CTA
-    # costs a few microseconds, where torch's cumsum down the rows of the table took 0.13-0.18 ms.
-    cols = tl.arange(0, BLOCK_E)
+    # One program per BLOCK_C experts (the experts' columns scan independently): each block's first
+    # row among its expert's rows, an exclusive scan down the blocks, and the expert's row count.
+    # The experts' own first rows (a scan across the columns) are added by the scatter kernel.
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < E
-    total = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    for b0 in range(0, NB, BLOCK_B):
-        rows = b0 + tl.arange(0, BLOCK_B)
-        mask = (rows[:, None] < NB) & col_ok[None, :]
-        total += tl.sum(tl.load(block_counts + rows[:, None] * E + cols[None, :], mask=mask, other=0), 0)
-    end = tl.cumsum(total, 0)
-    tl.store(counts + cols, total, mask=col_ok)
-    tl.store(offs + cols, end, mask=col_ok)
-    run = end - total  # the first sorted row of each expert, advanced block by block
+    run = tl.zeros((BLOCK_C,), dtype=tl.int32)
     for b0 in range(0, NB, BLOCK_B):
         rows = b0 + tl.arange(0, BLOCK_B)
         mask = (rows[:, None] < NB) & col_ok[None, :]
@@ -60,21 +93,26 @@ def _route_scan_kernel(
         c = tl.load(block_counts + ptrs, mask=mask, other=0)
         tl.store(block_base + ptrs, run[None, :] + tl.cumsum(c, 0) - c, mask=mask)
         run += tl.sum(c, 0)
+    tl.store(counts + cols, run, mask=col_ok)
 
 
 @triton.jit
 def _route_scatter_kernel(
-    experts, block_base, row_of, token_idx, R, E, K,  # block_base (num_blocks, E): first sorted row
-    BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,       # of each expert's entries in this block
+    experts, counts, offs, block_base, row_of, token_idx, R, E, K,  # block_base (num_blocks, E): each
+    BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,                    # block's first row within its expert
 ):
     b = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_E)
+    per_expert = tl.load(counts + cols, mask=cols < E, other=0)
+    ends = tl.cumsum(per_expert, 0)
+    if b == 0:
+        tl.store(offs + cols, ends, mask=cols < E)
     idx = b * BLOCK + tl.arange(0, BLOCK)
     valid = idx < R
     ids = tl.load(experts + idx, mask=valid, other=-1)
     hot = _one_hot(ids, BLOCK_E)
     rank = tl.sum(tl.cumsum(hot, 0) * hot, 1) - 1  # entries of the same expert before this one, in order
-    cols = tl.arange(0, BLOCK_E)
-    base = tl.load(block_base + b * E + cols, mask=cols < E, other=0)
+    base = tl.load(block_base + b * E + cols, mask=cols < E, other=0) + ends - per_expert
     row = tl.sum(hot * base[None, :], 1) + rank
     tl.store(row_of + idx, row, mask=valid)
     tl.store(token_idx + row, idx // K, mask=valid)
