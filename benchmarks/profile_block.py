@@ -18,9 +18,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from moekit import MoE
 from moekit.bench import BLOCK_SHAPES, GEMM_KERNELS, cuda_kernels
-from moekit.bench.moe import CONFIGS
+from moekit.bench.moe import CONFIGS, training_step
 
 
 def main():
@@ -31,15 +30,7 @@ def main():
     parser.add_argument("--host", action="store_true")
     args = parser.parse_args()
     s = BLOCK_SHAPES[args.shape]
-    torch.manual_seed(0)
-    moe = MoE(s.d, s.f, s.e, s.top_k, device="cuda", dtype=torch.bfloat16, **CONFIGS[args.config])
-    x = torch.randn(s.tokens, s.d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn_like(x)
-    params = [x, *moe.parameters()]
-
-    def step():
-        return torch.autograd.grad(moe(x), params, dy)
-
+    _, _, step = training_step(s, args.config)
     for _ in range(3):
         step()
     torch.cuda.synchronize()

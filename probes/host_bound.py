@@ -19,21 +19,11 @@ import triton
 from torch.profiler import ProfilerActivity, profile
 
 from moekit.bench import BLOCK_SHAPES, cuda_kernels
-from moekit.bench.moe import CONFIGS
-from moekit.layers import MoE
+from moekit.bench.moe import training_step
 
 
 def probe(name):
-    s = BLOCK_SHAPES[name]
-    torch.manual_seed(0)
-    moe = MoE(s.d, s.f, s.e, s.top_k, device="cuda", dtype=torch.bfloat16, **CONFIGS["plain"])
-    x = torch.randn(s.tokens, s.d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn_like(x)
-    params = [x, *moe.parameters()]
-
-    def step():
-        return torch.autograd.grad(moe(x), params, dy)
-
+    _, _, step = training_step(BLOCK_SHAPES[name])
     for _ in range(3):
         step()
     torch.cuda.synchronize()

@@ -366,8 +366,8 @@ def topk_router(
     if score_func not in ("softmax", "sigmoid"):
         raise ValueError(f"topk_router: score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
     logits = router_logits(x, weight, bias)
+    scores = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
     if config.uses_triton(logits.device):  # the choice and the gather in one kernel, no sort
-        scores = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
         key = logits if expert_bias is None else scores + expert_bias.float()
         weights, experts = _router_topk_op(key, scores, top_k, renormalize)
     else:
@@ -378,7 +378,6 @@ def topk_router(
     loss = None
     if aux_loss:
         frac = counts.float() / max(experts.numel(), 1)
-        scores = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
         loss = num_experts * (frac * scores.mean(0)).sum()
     return Routing(weights, experts, counts, offs, token_idx, row_of, loss)
 
