@@ -94,6 +94,8 @@ def test_router_topk_kernel_matches_reference(interpreter, e, k, score_func, ren
     torch.testing.assert_close(w, w_ref, rtol=2e-6, atol=1e-7, equal_nan=True)
     w0, ids0 = router_topk_fwd(key[:0], scores[:0], k, renormalize)
     assert w0.shape == ids0.shape == (0, k)
+    with pytest.raises(ValueError, match="top_k"):
+        router_topk_fwd(key, scores, e + 1, renormalize)
 
 
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])

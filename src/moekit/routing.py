@@ -146,6 +146,9 @@ def router_topk_fwd(key: torch.Tensor, scores: torch.Tensor, top_k: int, renorma
     experts (T, K) int32): the K largest keys (ties to the lower index, NaN first) and the scores there,
     divided by their sum when ``renormalize``."""
     t, e = key.shape
+    if not 1 <= top_k <= e or scores.shape != key.shape:
+        raise ValueError(f"router_topk: need 1 <= top_k <= E and key, scores of one shape (T, E), got top_k={top_k}, "
+                         f"{tuple(key.shape)} and {tuple(scores.shape)}")
     weights = config.empty((t, top_k), dtype=torch.float32, device=key.device)
     experts = config.empty((t, top_k), dtype=torch.int32, device=key.device)
     if t:
