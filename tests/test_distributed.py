@@ -1,11 +1,13 @@
-"""Expert parallelism (moekit.distributed) on CPU: gloo process groups of 2 and 4 ranks.
+"""Expert parallelism (moekit.distributed): gloo process groups of 2 and 4 CPU ranks, and NCCL groups
+of 2 (or 4) GPUs where the machine has them.
 
 Each world size runs once (one spawn of W processes, module-scoped) through a table of cases; every
 case compares ExpertParallelMoE with a single-process moekit.MoE holding the same full weights and
 fed every rank's tokens concatenated: outputs, dx, the expert gradients of each rank's shard, the
-router gradients summed over the ranks, and the routing counts. The expert ops run their pure-PyTorch
-reference (the interpreter would take minutes); one case compiles the block over the kernels under
-the interpreter.
+router gradients summed over the ranks, and the routing counts. On CPU the expert ops run their
+pure-PyTorch reference (the interpreter would take minutes) and one case compiles the block over the
+kernels under the interpreter; on GPUs (one process per GPU, ``-m gpu``) they run the kernels, at
+D = 256, F = 128, and one more case captures the device-splits path in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from moekit.distributed import ExpertParallelMoE, arrival_order, arrival_order_r
 from moekit.testing import assert_close
 
 BF16 = torch.bfloat16
-D, F, E = 16, 8, 8
+D, F, E = 16, 8, 8  # the NCCL workers set D, F = 256, 128 (GPU_DIMS)
+GPU_DIMS = (256, 128)
 BLOCKS = {  # the gpt-oss block (weights applied in the combine), the bias-free block (weights in the epilogue)
     "gpt-oss": {},
     "plain": dict(bias=False, router_bias=False, activation="swiglu"),
@@ -69,13 +72,15 @@ def _match_moe(rank, world, *, block="plain", splits="host", chunks=1, top_k=2, 
     full = dict(moe.named_parameters())
     pairs = [("y", y, yf[mine]), ("dx", x.grad, xf.grad[mine])]
     pairs += [(n, p.grad, full[n].grad[shard]) for n, p in ep.experts.named_parameters(prefix="experts")]
+    gpu = x.is_cuda
     for name, got, want in pairs:
-        if chunks == 1:  # the same rows in the same order reach every GEMM: bit for bit
+        if chunks == 1 and not gpu:  # the same rows in the same order reach every reference op: bit for bit
             assert torch.equal(got, want), name
-        else:  # expert gradients add up chunk by chunk, each rounded to bf16
-            assert_close(got, want.float(), BF16, what=name)
+        else:  # chunks: expert gradients add up chunk by chunk, each rounded to bf16; GPUs: the kernels'
+            assert_close(got, want.float(), BF16, what=name)  # tiles depend on the problem's size
+    tol = dict(rtol=1e-4, atol=1e-5) if gpu else dict(rtol=1e-5, atol=1e-7)  # cuBLAS sums in another order
     for name, p in ep.router.named_parameters():
-        torch.testing.assert_close(p.grad, full[f"router.{name}"].grad, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(p.grad, full[f"router.{name}"].grad, **tol)
     return ep, moe
 
 
@@ -177,7 +182,8 @@ def _fsdp2_on_the_router(rank, world):
     moe = MoE(D, F, E, 2, dtype=BF16)
     xs, dys = _inputs([7] * world)
     ep = ExpertParallelMoE.from_moe(moe)
-    fully_shard(ep, mesh=init_device_mesh("cpu", (world,)), ignored_params=set(ep.experts.parameters()))
+    mesh = init_device_mesh(torch.get_default_device().type, (world,))
+    fully_shard(ep, mesh=mesh, ignored_params=set(ep.experts.parameters()))
     ep(xs[rank]).backward(dys[rank])
     moe(torch.cat(xs)).backward(torch.cat(dys))
     shard = slice(ep.expert_start, ep.expert_start + ep.local_experts)
@@ -185,7 +191,42 @@ def _fsdp2_on_the_router(rank, world):
         assert type(p) is torch.nn.Parameter and torch.equal(p.grad, moe.get_parameter(name).grad[shard]), name
     for name, p in ep.router.named_parameters(prefix="router"):
         grad = p.grad.full_tensor() * world  # FSDP2 averages
-        torch.testing.assert_close(grad, moe.get_parameter(name).grad, rtol=1e-5, atol=1e-7)
+        tol = dict(rtol=1e-4, atol=1e-5) if grad.is_cuda else dict(rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(grad, moe.get_parameter(name).grad, **tol)
+
+
+def _device_splits_graph(rank, world):
+    """GPUs: the device-splits path runs forward and backward with host syncs forbidden, and its
+    forward replays from a CUDA graph captured on every rank (the all-to-alls inside)."""
+    torch.manual_seed(0)
+    moe = MoE(D, F, E, 2, dtype=BF16, **BLOCKS["plain"])
+    ep = ExpertParallelMoE.from_moe(moe, splits="device", chunks=2)
+    xs, dys = _inputs([64] * world)
+    x = xs[rank].clone().requires_grad_()
+    ep(x).backward(dys[rank])  # warm-up (compiles the kernels)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = ep(x)
+        y.backward(dys[rank])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert_close(y, moe(torch.cat(xs))[64 * rank : 64 * (rank + 1)].float(), BF16, what="y")
+    static_x = x.detach().clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad():
+        ep(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        static_y = ep(static_x)
+    torch.manual_seed(1 + rank)
+    static_x.copy_(torch.randn_like(static_x))
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        assert torch.equal(static_y, ep(static_x))
 
 
 HOT, COLD = 1e4, -1e4
@@ -211,22 +252,46 @@ CASES = {  # name: the case, run on every rank; the comment says what it covers
     "reshard-2-to-4": _reshard_2_to_4,
     "compile": _compiled_over_the_kernels,
     "fsdp2": _fsdp2_on_the_router,
+    "device-splits-graph": _device_splits_graph,
 }
+GPU_ONLY = {"device-splits-graph"}
 WORLD_CASES = {
-    2: [n for n in CASES if ONLY.get(n, 2) == 2 and (n != "compile" or config.is_interpreting())],
+    2: [n for n in CASES if ONLY.get(n, 2) == 2 and n not in GPU_ONLY and (n != "compile" or config.is_interpreting())],
     4: ["match-plain-host-chunks1", "match-plain-device-chunks3", "match-gpt-oss-device-chunks1",
         "match-gpt-oss-host-chunks3", "idle-rank-device", "hot-expert-host", "top4-device", "reshard-2-to-4"],
 }
+
+
+def _nccl_world() -> int:
+    """The NCCL test's world: 4 GPUs where the machine has 4 or more, else 2 (0: too few GPUs)."""
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return 4 if n >= 4 else (2 if n >= 2 else 0)
+
+
+CPU_ONLY = {"compile", "device-splits-unequal-tokens"}  # the interpreter; a failed device assert ends a CUDA process
+
+
+def _nccl_cases(world: int) -> list[str]:
+    """Every case that runs at this world size on the kernels."""
+    names = [n for n in CASES if ONLY.get(n, world) == world and n not in CPU_ONLY]
+    return names if world == 2 else [n for n in names if n in WORLD_CASES[4] or n in GPU_ONLY]
 
 # --------------------------------------------------------------------------------------------------
 # the runner
 # --------------------------------------------------------------------------------------------------
 
 
-def _worker(rank: int, world: int, folder: str, names: list[str]) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    moekit.set_options(reference=True)
+def _worker(rank: int, world: int, folder: str, names: list[str], backend: str = "gloo") -> None:
+    global D, F
+    device_id = None
+    if backend == "nccl":  # one GPU per rank, the kernels, tensors created on it by default
+        D, F = GPU_DIMS
+        device_id = torch.device("cuda", rank)
+        torch.cuda.set_device(device_id)
+        torch.set_default_device(device_id)
+    dist.init_process_group(backend, init_method=f"file://{folder}/store", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120), device_id=device_id)
+    moekit.set_options(reference=backend == "gloo")
     torch.set_num_threads(1)
     results = {}
     for name in names:
@@ -240,9 +305,11 @@ def _worker(rank: int, world: int, folder: str, names: list[str]) -> None:
     dist.destroy_process_group()
 
 
-def _run_world(world: int, folder, timeout_s: float = 240.0) -> list[dict]:
+def _run_world(world: int, folder, timeout_s: float = 240.0, backend: str = "gloo",
+               names: list[str] | None = None) -> list[dict]:
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, world, str(folder), WORLD_CASES[world])) for r in range(world)]
+    names = WORLD_CASES[world] if names is None else names
+    procs = [ctx.Process(target=_worker, args=(r, world, str(folder), names, backend)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -269,6 +336,28 @@ def test_expert_parallel(world_results, world, case):
     for rank, results in enumerate(world_results[world]):
         status = results.get(case, "did not run (an earlier case hung or the process died)")
         assert status == "ok", f"rank {rank} of {world}, {case}:\n{status}"
+
+
+NCCL_WORLD = _nccl_world()
+NCCL_CASES = _nccl_cases(NCCL_WORLD) if NCCL_WORLD else _nccl_cases(2)
+
+
+@pytest.fixture(scope="module")
+def nccl_results(tmp_path_factory):
+    if NCCL_WORLD == 0:
+        pytest.skip("needs 2 or more CUDA GPUs")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast (the spawned ranks inherit it)
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    return _run_world(NCCL_WORLD, tmp_path_factory.mktemp("ep-nccl"), timeout_s=540.0, backend="nccl",
+                      names=NCCL_CASES)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", NCCL_CASES)
+def test_expert_parallel_on_gpus(nccl_results, case):
+    for rank, results in enumerate(nccl_results):
+        status = results.get(case, "did not run (an earlier case hung or the process died)")
+        assert status == "ok", f"rank {rank} of {NCCL_WORLD} (NCCL), {case}:\n{status}"
 
 
 # --------------------------------------------------------------------------------------------------

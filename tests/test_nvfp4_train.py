@@ -337,3 +337,13 @@ def test_moe_nvfp4_on_cuda_has_no_host_sync_and_matches_the_reference():
         want = _grads(moe, x, dy)
     for a, b in zip(got, want, strict=True):
         assert _rel(a, b) < 0.03
+
+
+@gpu
+def test_random_signs_under_a_cuda_default_device():
+    """The signs come from a CPU generator: a CUDA default device (``torch.set_default_device``, as
+    the NCCL expert-parallel workers set) must not move the draw to CUDA, where a CPU generator fails."""
+    want = nvfp4_train.random_signs(3)
+    with torch.device("cuda"):
+        got = nvfp4_train.random_signs(3, device="cuda")
+    assert torch.equal(got.cpu(), want)

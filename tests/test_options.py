@@ -28,6 +28,25 @@ def test_options_set_restore_and_reject_unknown():
         moekit.set_options(no_such_option=True)
 
 
+def test_sm_margin_takes_sms_from_the_persistent_launches():
+    cuda = torch.device("cuda", 0)
+    config._sm_count.cache_clear()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(config, "_sm_count", lambda index: 132)
+            assert config.num_sms(cuda) == 132
+            with moekit.options(sm_margin=20):
+                assert config.num_sms(cuda) == 112 and moekit.get_options().sm_margin == 20
+            with moekit.options(sm_margin=500):
+                assert config.num_sms(cuda) == 1  # never below one program
+            assert config.num_sms(cuda) == 132
+    finally:
+        config._sm_count.cache_clear()
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="sm_margin must be an int >= 0"):
+            moekit.set_options(sm_margin=bad)
+
+
 def _python(code: str, **env) -> subprocess.CompletedProcess:
     import os
 
@@ -40,6 +59,10 @@ def test_environment_gives_the_defaults_at_import():
     assert out.stdout.split() == ["False", "False", "True"], out.stderr
     bad = _python("import moekit", MOEKIT_SAVE_H="yes")
     assert bad.returncode != 0 and "MOEKIT_SAVE_H must be 0 or 1" in bad.stderr
+    out = _python("import moekit; print(moekit.get_options().sm_margin)", MOEKIT_SM_MARGIN="16")
+    assert out.stdout.split() == ["16"], out.stderr
+    bad = _python("import moekit", MOEKIT_SM_MARGIN="-2")
+    assert bad.returncode != 0 and "MOEKIT_SM_MARGIN must be a count >= 0" in bad.stderr
 
 
 def test_untested_triton_stops_the_first_kernel_call(interpreter, monkeypatch):

@@ -42,9 +42,9 @@ class TileConfig:
 @dataclass(frozen=True)
 class Options:
     """moekit's runtime options. Each field's default comes from the environment variable named beside
-    it, read once, when moekit is imported (``1``/``0``); :func:`set_options` and :func:`options`
-    change them afterwards. Ops read the options when they run, and under ``torch.compile`` when they
-    are traced, so set them before compiling.
+    it, read once, when moekit is imported (``1``/``0``; a count for ``sm_margin``); :func:`set_options`
+    and :func:`options` change them afterwards. Ops read the options when they run, and under
+    ``torch.compile`` when they are traced, so set them before compiling.
 
     - ``reference`` (``MOEKIT_REFERENCE``, off): every op runs its pure-PyTorch ``*_ref`` twin, on any
       device.
@@ -59,6 +59,11 @@ class Options:
     - ``fused_dswiglu`` (``MOEKIT_FUSED_DSWIGLU``, off): the down-projection's dgrad computes the
       SwiGLU backward in its epilogue on sm_90 (bit-equal to the default, and slower on an H100:
       docs/design.md).
+    - ``sm_margin`` (``MOEKIT_SM_MARGIN``, 0): SMs the persistent GEMMs leave free (they launch one
+      program per SM minus this many). Under expert parallelism with overlap the all-to-all's NCCL
+      kernel runs beside the GEMMs and needs SMs of its own: a persistent GEMM that finds some SMs
+      taken waits for them (its tiles are assigned statically), so give NCCL's CTAs a margin
+      (docs/design.md, section 15).
     - ``poison`` (no variable; a test aid): every kernel output starts as NaN (-1 for integers), so an
       unwritten element shows.
     """
@@ -69,10 +74,12 @@ class Options:
     warp_specialized: bool = True
     save_h: bool = False
     fused_dswiglu: bool = False
+    sm_margin: int = 0
     poison: bool = False
 
 
 _ENV = {f.name: f"MOEKIT_{f.name.upper()}" for f in dataclasses.fields(Options) if f.name != "poison"}
+_COUNTS = {"sm_margin"}  # int options; the rest are switches
 
 
 def _from_env() -> Options:
@@ -80,6 +87,11 @@ def _from_env() -> Options:
     for name, var in _ENV.items():
         raw = os.environ.get(var)
         if raw is None:
+            continue
+        if name in _COUNTS:
+            if not raw.isdigit():
+                raise ValueError(f"moekit: {var} must be a count >= 0, got {raw!r}")
+            values[name] = int(raw)
             continue
         if raw not in ("0", "1"):
             raise ValueError(f"moekit: {var} must be 0 or 1, got {raw!r}")
@@ -95,19 +107,27 @@ def get_options() -> Options:
     return _options
 
 
-def set_options(**changes: bool) -> Options:
+def set_options(**changes) -> Options:
     """Change options by name (``set_options(save_h=False)``); returns the previous :class:`Options`."""
     global _options
     unknown = set(changes) - {f.name for f in dataclasses.fields(Options)}
     if unknown:
         raise TypeError(f"moekit.set_options: unknown option(s) {sorted(unknown)}; see moekit.Options")
+    values = {}
+    for k, v in changes.items():
+        if k in _COUNTS:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"moekit.set_options: {k} must be an int >= 0, got {v!r}")
+            values[k] = v
+        else:
+            values[k] = bool(v)
     previous = _options
-    _options = dataclasses.replace(_options, **{k: bool(v) for k, v in changes.items()})
+    _options = dataclasses.replace(_options, **values)
     return previous
 
 
 @contextlib.contextmanager
-def options(**changes: bool):
+def options(**changes):
     """Context manager: ``with moekit.options(warp_specialized=False): ...`` sets options for the block
     and restores the previous ones on exit."""
     global _options
@@ -219,10 +239,12 @@ def _sm_count(index: int) -> int:
 
 
 def num_sms(device: torch.device) -> int:
-    """Programs in a persistent launch: one per SM (a small fixed number on the interpreter)."""
+    """Programs in a persistent launch: one per SM less the ``sm_margin`` option (at least one; a small
+    fixed number on the interpreter)."""
     if device.type != "cuda":
         return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, sms - _options.sm_margin)
 
 
 _WGRAD_BLOCK_M = 128  # block_m of every ragged-K (wgrad) configuration below

@@ -81,8 +81,8 @@ def hadamard_matrix(n: int = HADAMARD, *, device=None, dtype=torch.float32) -> t
 
 def random_signs(seed: int, *, device=None) -> torch.Tensor:
     """(16,) fp32 random +-1 from ``seed`` (a CPU generator, so every device gets the same signs)."""
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, 2, (HADAMARD,), generator=gen) * 2 - 1).float().to(device)
+    gen = torch.Generator(device="cpu").manual_seed(seed)  # device= too: a default device may be set
+    return (torch.randint(0, 2, (HADAMARD,), generator=gen, device="cpu") * 2 - 1).float().to(device)
 
 
 def hadamard16(x: torch.Tensor, signs: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
