@@ -139,7 +139,7 @@ def _intervals_ms(spans: list[tuple[float, float]]) -> list[tuple[float, float]]
     return out
 
 
-def _stream_busy(step, folder: str, rank: int, steps: int = 2) -> dict:
+def _stream_busy(step, folder: str, rank: int, steps: int = 2, keep: str | None = None) -> dict:
     """One profiled pair of steps (every rank runs them; rank 0's trace is read): per step, the time
     the compute stream's kernels and the NCCL kernels are busy, the time both are (overlap), the
     step's span, and the NCCL kernels' grid (CTAs)."""
@@ -147,7 +147,7 @@ def _stream_busy(step, folder: str, rank: int, steps: int = 2) -> dict:
 
     torch.cuda.synchronize()
     dist.barrier()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
@@ -156,7 +156,16 @@ def _stream_busy(step, folder: str, rank: int, steps: int = 2) -> dict:
         return {}
     path = f"{folder}/trace.json"
     prof.export_chrome_trace(path)
-    events = [e for e in json.load(open(path))["traceEvents"] if e.get("cat") == "kernel"]
+    if keep:  # --trace-dir: keep rank 0's Chrome trace
+        import shutil
+
+        shutil.copy(path, keep)
+    trace = json.load(open(path))["traceEvents"]
+    events = [e for e in trace if e.get("cat") == "kernel"]
+    api = {}  # CUDA runtime and driver calls on the host: where the host waits (syncs, allocations)
+    for e in trace:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            api[e["name"]] = api.get(e["name"], 0.0) + e.get("dur", 0.0) / (1e3 * steps)
     nccl = [(e["ts"], e["ts"] + e["dur"]) for e in events if "nccl" in e["name"].lower()]
     comp = [(e["ts"], e["ts"] + e["dur"]) for e in events if "nccl" not in e["name"].lower()]
     grids = sorted({tuple(e["args"].get("grid", ())) for e in events if "nccl" in e["name"].lower()})
@@ -173,7 +182,8 @@ def _stream_busy(step, folder: str, rank: int, steps: int = 2) -> dict:
     busy = sum(b - a for a, b in _intervals_ms(nccl + comp))
     us = 1e3 * steps  # trace times are microseconds; report ms per step
     return dict(compute=sum(b - a for a, b in comp_m) / us, nccl=sum(b - a for a, b in nccl_m) / us,
-                overlap=both / us, span=span / us, idle=(span - busy) / us, grids=[list(g) for g in grids])
+                overlap=both / us, span=span / us, idle=(span - busy) / us, grids=[list(g) for g in grids],
+                api=sorted(api.items(), key=lambda kv: -kv[1])[:6])
 
 
 def _host_profile(step, rank: int, steps: int = 3, top: int = 18) -> str:
@@ -234,6 +244,8 @@ def _rank(rank: int, world: int, folder: str, args: dict) -> None:
 
         row = {"shape": name, "config": config, "tokens": tokens, "world": world}
         row["ep1"] = _timed(_step(moe, x, dy), dev, args["warmup"], args["reps"], collective=True)
+        if args["profile"] and cuda:
+            row["ep1_busy"] = _stream_busy(_step(moe, x, dy), folder, rank)
         if args["cprofile"] and cuda:
             row["ep1_host"] = _host_profile(_step(moe, x, dy), rank)
         scaled = not CONFIGS[config]["bias"]
@@ -246,7 +258,8 @@ def _rank(rank: int, world: int, folder: str, args: dict) -> None:
             with moekit.options(sm_margin=margin):
                 step = _step(ep, x, dy)
                 ms = _timed(step, dev, args["warmup"], args["reps"], collective=True)
-                busy = _stream_busy(step, folder, rank) if args["profile"] and cuda else None
+                keep = args["trace_dir"] and os.path.join(args["trace_dir"], f"{name}-{splits}-{chunks}-{margin}.json")
+                busy = _stream_busy(step, folder, rank, keep=keep) if args["profile"] and cuda else None
                 host = _host_profile(step, rank) if args["cprofile"] and cuda and margin == 0 else ""
             row["ep"][f"{splits}-{chunks}-{margin}"] = dict(ms=ms, busy=busy, host=host)
             del ep, step
@@ -277,7 +290,9 @@ def table(rows: list[dict], command: str) -> str:
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         head = f"| {r['shape']} | {r['config']} | {r['tokens']} |"
-        out.append(f"{head} 1 | - | - | - | {r['ep1']:.2f} | 1.00 | - | - | - | - | - | - | - |")
+        b1 = r.get("ep1_busy") or {}
+        comp1 = f"{b1['compute']:.2f} | {b1['idle']:.2f}" if b1 else "- | -"
+        out.append(f"{head} 1 | - | - | - | {r['ep1']:.2f} | 1.00 | - | - | - | - | - | {comp1} |")
         for key, m in r["ep"].items():
             splits, chunks, margin = key.split("-")
             exposed = m["ms"] - r["ep1"]
@@ -299,6 +314,12 @@ def table(rows: list[dict], command: str) -> str:
         grids = sorted({tuple(g) for m in r["ep"].values() for g in ((m.get("busy") or {}).get("grids") or [])})
         out.append(f"- {r['shape']}: {r['a2a_mib']:.0f} MiB sent, {gbs:.0f} GB/s per rank, "
                    f"imbalance {r['imbalance']:.3f}; NCCL grids {grids or '-'}")
+    out += ["", "Host: the CUDA API calls that took the most host time per profiled step (rank 0, ms):", ""]
+    for r in rows:
+        for key, m in [("EP 1", {"busy": r.get("ep1_busy")}), *r["ep"].items()]:
+            api = (m.get("busy") or {}).get("api")
+            if api:
+                out.append(f"- {r['shape']} {key}: " + ", ".join(f"{name} {ms:.2f}" for name, ms in api))
     for r in rows:
         if r.get("ep1_host"):
             out += ["", f"Host profile, {r['shape']} EP 1 (rank 0, cProfile):", "", "```", r["ep1_host"], "```"]
@@ -316,6 +337,7 @@ def main(argv=None) -> str:
     p.add_argument("--sm-margin", action="append", type=int, dest="margins",
                    help="SMs the persistent GEMMs leave to NCCL in the EP runs (moekit's sm_margin option)")
     p.add_argument("--profile", action="store_true", help="profile one pair of steps per EP run (GPUs)")
+    p.add_argument("--trace-dir", help="with --profile: keep rank 0's Chrome trace of each EP run here")
     p.add_argument("--cprofile", action="store_true", help="rank 0's host profile of each EP run with margin 0")
     p.add_argument("--world", type=int, help="ranks (default: every GPU; 2 CPU processes without GPUs)")
     p.add_argument("--tokens", type=int, help="tokens per rank (default: the shape's)")
@@ -327,7 +349,8 @@ def main(argv=None) -> str:
     world = a.world or (torch.cuda.device_count() if cuda else 2)
     args = dict(shapes=a.shapes or (["qwen3-30b-a3b", "gpt-oss-120b"] if cuda else ["tiny-cpu"]),
                 config=a.config, chunks=a.chunks or [1, 4], margins=a.margins or [0],
-                profile=a.profile, cprofile=a.cprofile, tokens=a.tokens, warmup=a.warmup, reps=a.reps)
+                profile=a.profile, cprofile=a.cprofile, trace_dir=a.trace_dir, tokens=a.tokens,
+                warmup=a.warmup, reps=a.reps)
     with tempfile.TemporaryDirectory() as folder:
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=_rank, args=(r, world, folder, args)) for r in range(world)]
