@@ -249,28 +249,28 @@ def test_opcheck():
     # h included, which the fused contract rejects by design (test_gradient_through_h_raises). Its
     # autograd is checked against float64 above.
     scale = torch.rand(1024, device=DEV) + 0.5
-    torch.library.opcheck(_grouped_mm_swiglu_op, (x, w1, offs, b1, None, None, None, *spec))
-    torch.library.opcheck(_grouped_mm_swiglu_op, (x, w1, offs, b1, None, None, scale, *spec))
+    torch.library.opcheck(_grouped_mm_swiglu_op.op, (x, w1, offs, b1, None, None, None, *spec))
+    torch.library.opcheck(_grouped_mm_swiglu_op.op, (x, w1, offs, b1, None, None, scale, *spec))
     h, aux = _grouped_mm_swiglu_op(x, w1, offs, b1, None, None, None, *spec)
-    torch.library.opcheck(_grouped_mm_downproj_op, (h.detach(), _leaf(w2), offs, _leaf(b2), _leaf(aux), None, *spec))
-    torch.library.opcheck(_grouped_mm_downproj_op,
+    torch.library.opcheck(_grouped_mm_downproj_op.op, (h.detach(), _leaf(w2), offs, _leaf(b2), _leaf(aux), None, *spec))
+    torch.library.opcheck(_grouped_mm_downproj_op.op,
                           (h.detach(), _leaf(w2), offs, None, _leaf(aux), _leaf(scale), *spec))
     dy = torch.randn(1024, 256, device=DEV, dtype=BF16)
     # h recomputed: db_down in the wgrad (F % 128 != 0), or a column-sum pass
-    torch.library.opcheck(_grouped_mm_downproj_bwd_op, (dy, w2, offs, aux, None, None, True, True, *spec))
-    torch.library.opcheck(_grouped_mm_downproj_bwd_op, (dy, w2, offs, aux, None, None, False, True, *spec))
-    torch.library.opcheck(_grouped_mm_downproj_bwd_op, (dy, w2, offs, aux, None, scale, True, False, *spec))
+    torch.library.opcheck(_grouped_mm_downproj_bwd_op.op, (dy, w2, offs, aux, None, None, True, True, *spec))
+    torch.library.opcheck(_grouped_mm_downproj_bwd_op.op, (dy, w2, offs, aux, None, None, False, True, *spec))
+    torch.library.opcheck(_grouped_mm_downproj_bwd_op.op, (dy, w2, offs, aux, None, scale, True, False, *spec))
     # h saved: F = 192 (% 128 == 64) gives db_down in the wgrad (ws)
-    torch.library.opcheck(_grouped_mm_downproj_bwd_op, (dy, w2, offs, aux, h.detach(), None, True, True, *spec))
-    torch.library.opcheck(_grouped_mm_downproj_bwd_op, (dy, w2, offs, aux, h.detach(), scale, True, False, *spec))
-    torch.library.opcheck(_colsum_op, (dy, offs))
-    torch.library.opcheck(_wgrad_colsum_op, (x, dy, offs))  # D = 256: sums from a pass
-    torch.library.opcheck(_wgrad_colsum_op, (x[:, :192], dy, offs))  # D % 128 == 64: from the GEMM (ws)
+    torch.library.opcheck(_grouped_mm_downproj_bwd_op.op, (dy, w2, offs, aux, h.detach(), None, True, True, *spec))
+    torch.library.opcheck(_grouped_mm_downproj_bwd_op.op, (dy, w2, offs, aux, h.detach(), scale, True, False, *spec))
+    torch.library.opcheck(_colsum_op.op, (dy, offs))
+    torch.library.opcheck(_wgrad_colsum_op.op, (x, dy, offs))  # D = 256: sums from a pass
+    torch.library.opcheck(_wgrad_colsum_op.op, (x[:, :192], dy, offs))  # D % 128 == 64: from the GEMM (ws)
     from moekit.routing import routing_metadata_fwd
 
     ids = torch.rand(500, 3, device=DEV).topk(2, -1).indices.to(torch.int32)
     _, offs3, token_idx, _ = routing_metadata_fwd(ids, 3)
     tokens = torch.randn(500, 200, device=DEV, dtype=BF16)  # D = 200: the ones column fits the last tile
     d_aux = torch.randn(1000, 96, device=DEV, dtype=BF16)
-    torch.library.opcheck(_gathered_wgrad_op, (tokens, token_idx, d_aux, offs3))
-    torch.library.opcheck(_swiglu_op, (_leaf(aux), *spec))
+    torch.library.opcheck(_gathered_wgrad_op.op, (tokens, token_idx, d_aux, offs3))
+    torch.library.opcheck(_swiglu_op.op, (_leaf(aux), *spec))

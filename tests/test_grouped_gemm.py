@@ -152,7 +152,8 @@ def test_ragged_k_backward(interpreter):
 
 
 def test_custom_op_path_matches_eager_path(interpreter):
-    """torch.compile traces moekit::grouped_mm; eager runs GroupedMMFn. Same kernels, same bits."""
+    """torch.compile traces the registered moekit::grouped_mm; eager calls skip the dispatcher (its
+    autograd.Function runs the same implementation and formula). Same kernels, same bits."""
     from moekit.grouped_gemm import _grouped_mm_op
 
     offs = offs_from_counts([10, 0, 22])
@@ -160,10 +161,12 @@ def test_custom_op_path_matches_eager_path(interpreter):
     b = torch.randn(3, 40, 24).to(BF16).mT.detach().requires_grad_()
     dy = torch.randn(40, 40).to(BF16)
     out_eager = grouped_mm(a, b, offs)
+    assert type(out_eager.grad_fn).__name__ == "GroupedMmFnBackward"  # the eager path, not the dispatcher's
     out_eager.backward(dy)
     grads = a.grad.clone(), b.grad.clone()
     a.grad = b.grad = None
-    out_op = _grouped_mm_op(a, b, offs, None)
+    out_op = _grouped_mm_op.op(a, b, offs, None)  # through the dispatcher
+    assert "moekit_grouped_mm" in type(out_op.grad_fn).__name__
     out_op.backward(dy)
     for x, y in zip((out_eager, *grads), (out_op, a.grad, b.grad), strict=True):
         torch.testing.assert_close(x, y, rtol=0, atol=0)

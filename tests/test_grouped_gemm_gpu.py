@@ -261,7 +261,7 @@ def test_opcheck(form):
     a = torch.nan_to_num(a)
     if form == "2d2d":
         a, b = a.mT, torch.randn(160, 96, device=DEV).to(BF16)
-    torch.library.opcheck(_grouped_mm_op, (a.requires_grad_(), b.detach().requires_grad_(), offs, None))
+    torch.library.opcheck(_grouped_mm_op.op, (a.requires_grad_(), b.detach().requires_grad_(), offs, None))
 
 
 def test_compile_fullgraph():

@@ -35,6 +35,7 @@ from ._kernels.epilogue import _swiglu_bwd_kernel, _swiglu_kernel
 from ._kernels.experts import _grouped_colsum_kernel, _grouped_mm_swiglu_kernel
 from ._kernels.hopper_modes import Epilogue
 from .descriptors import TensorDescriptor, row_bounded, tma_ok, weight_descriptor
+from .dispatch import custom_op
 from .epilogue import SwiGLU
 from .grouped_gemm import _grouped_mm_op, _op_mm, _ragged_k, _ragged_m, grouped_mm_fwd, k_major, weight_grad
 from .hopper import ws_dswiglu_ok, ws_gemm, ws_ok
@@ -247,7 +248,7 @@ def swiglu_bwd(pre: torch.Tensor, dh: torch.Tensor, spec: SwiGLU, *, with_h: boo
 # --------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("moekit::swiglu", mutates_args=())
+@custom_op("moekit::swiglu")
 def _swiglu_op(
     pre: torch.Tensor, alpha: float, limit: float | None, linear_offset: float, layout: str
 ) -> torch.Tensor:
@@ -259,7 +260,7 @@ def _(pre, alpha, limit, linear_offset, layout):
     return pre.new_empty((pre.shape[0], pre.shape[1] // 2))
 
 
-@torch.library.custom_op("moekit::swiglu_bwd", mutates_args=())
+@custom_op("moekit::swiglu_bwd")
 def _swiglu_bwd_op(
     pre: torch.Tensor, dh: torch.Tensor, alpha: float, limit: float | None, linear_offset: float, layout: str
 ) -> torch.Tensor:
@@ -289,7 +290,7 @@ def _spec(alpha, limit, linear_offset, layout) -> SwiGLU:
     return SwiGLU(alpha=alpha, limit=limit, linear_offset=linear_offset, layout=layout)
 
 
-@torch.library.custom_op("moekit::grouped_mm_swiglu", mutates_args=())
+@custom_op("moekit::grouped_mm_swiglu")
 def _grouped_mm_swiglu_op(
     x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, bias: torch.Tensor | None,
     token_idx: torch.Tensor | None, row_of: torch.Tensor | None, row_scale: torch.Tensor | None,
@@ -306,7 +307,7 @@ def _(x, w, offs, bias, token_idx, row_of, row_scale, alpha, limit, linear_offse
     return x.new_empty((rows, two_f // 2)), x.new_empty((rows, two_f))
 
 
-@torch.library.custom_op("moekit::grouped_mm_downproj_bwd", mutates_args=())
+@custom_op("moekit::grouped_mm_downproj_bwd")
 def _grouped_mm_downproj_bwd_op(
     grad: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, aux: torch.Tensor, h: torch.Tensor | None,
     row_scale: torch.Tensor | None, need_w: bool, need_b: bool,
@@ -338,7 +339,7 @@ def _(grad, w, offs, aux, h, row_scale, need_w, need_b, alpha, limit, linear_off
     )
 
 
-@torch.library.custom_op("moekit::grouped_colsum", mutates_args=())
+@custom_op("moekit::grouped_colsum")
 def _colsum_op(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return grouped_colsum(x, offs)
 
@@ -348,7 +349,7 @@ def _(x, offs):
     return x.new_empty((offs.shape[0], x.shape[1]), dtype=torch.float32)
 
 
-@torch.library.custom_op("moekit::gathered_wgrad_bias", mutates_args=())
+@custom_op("moekit::gathered_wgrad_bias")
 def _gathered_wgrad_op(
     x: torch.Tensor, token_idx: torch.Tensor, d_aux: torch.Tensor, offs: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -364,7 +365,7 @@ def _(x, token_idx, d_aux, offs):
     return d_aux.new_empty((e, x.shape[1], d_aux.shape[1])), d_aux.new_empty((e, d_aux.shape[1]), dtype=torch.float32)
 
 
-@torch.library.custom_op("moekit::wgrad_with_colsum", mutates_args=())
+@custom_op("moekit::wgrad_with_colsum")
 def _wgrad_colsum_op(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight and bias gradients of a rows-ragged GEMM with a bias: x (M, K), grad (M, N) ->
     (dW (E, K, N), db (E, N) fp32, the per-group column sums of grad). The sums come out of the wgrad
@@ -379,7 +380,7 @@ def _(x, grad, offs):
     return grad.new_empty((e, x.shape[1], grad.shape[1])), grad.new_empty((e, grad.shape[1]), dtype=torch.float32)
 
 
-@torch.library.custom_op("moekit::grouped_mm_downproj", mutates_args=())
+@custom_op("moekit::grouped_mm_downproj")
 def _grouped_mm_downproj_op(
     h: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, bias: torch.Tensor | None, aux: torch.Tensor | None,
     row_scale: torch.Tensor | None, alpha: float, limit: float | None, linear_offset: float, layout: str,

@@ -3,7 +3,7 @@
 Reads as: reference (``reference.grouped_mm_ref``) -> kernels (``_kernels/grouped_gemm.py``, and
 the warp-specialized ``_kernels/hopper_gemm.py`` through ``hopper.py``) -> launchers (``_ragged_m``,
 ``_ragged_k``, ``grouped_mm_fwd``) -> custom op ``moekit::grouped_mm`` with a fake and an autograd formula
-(``grouped_mm_bwd``) -> ``GroupedMMFn``, the lean eager autograd path -> public ``grouped_mm``.
+(``grouped_mm_bwd``; eager calls skip the dispatcher, ``dispatch.py``) -> public ``grouped_mm``.
 
 Legend: E groups (experts), M rows, N output columns, K reduction length, Kt the ragged reduction
 length of the 2D x 2D form.
@@ -18,6 +18,7 @@ from . import config
 from ._kernels.grouped_gemm import _grouped_mm_ragged_k_kernel, _grouped_mm_ragged_m_kernel
 from ._kernels.hopper_modes import ColSum
 from .descriptors import TensorDescriptor, row_bounded, tma_ok, weight_descriptor
+from .dispatch import custom_op
 from .hopper import WS_TILE, ws_gemm, ws_ragged_k, ws_rows_ragged
 from .reference import grouped_mm_ref
 from .validation import check_inputs, check_offs, matrix_ready
@@ -151,7 +152,7 @@ def grouped_mm_fwd(a, b, offs, out_dtype=None, cfg: config.TileConfig | None = N
 # --------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("moekit::grouped_mm", mutates_args=())
+@custom_op("moekit::grouped_mm")
 def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype | None) -> torch.Tensor:
     return grouped_mm_fwd(a, b, offs, out_dtype)
 
@@ -212,26 +213,6 @@ def _backward(ctx, grad):
 _grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-class GroupedMMFn(torch.autograd.Function):
-    """Eager autograd path: calls the launchers directly.
-
-    ``torch.library.custom_op`` dispatch costs ~150 us of host time per call (measured with
-    benchmarks/launch_overhead.py on an H100 host), as much as a decode-sized GEMM takes on the GPU;
-    eager calls skip it. Under torch.compile, ``grouped_mm`` uses the custom op instead.
-    """
-
-    @staticmethod
-    def forward(ctx, a, b, offs, out_dtype):
-        ctx.save_for_backward(a, b, offs)
-        return grouped_mm_fwd(a, b, offs, out_dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        a, b, offs = ctx.saved_tensors
-        grad_a, grad_b = grouped_mm_bwd(grad, a, b, offs, *ctx.needs_input_grad[:2], mm=grouped_mm_fwd)
-        return grad_a, grad_b, None, None
-
-
 # --------------------------------------------------------------------------------------------------
 # public op
 # --------------------------------------------------------------------------------------------------
@@ -277,6 +258,4 @@ def grouped_mm(
         check_offs(offs, a.shape[0] if form == "2d3d" else a.shape[1])
     if not config.uses_triton(a.device):
         return grouped_mm_ref(a, b, offs, out_dtype=out_dtype)
-    if torch.compiler.is_compiling():
-        return _grouped_mm_op(a, b, offs, out_dtype)
-    return GroupedMMFn.apply(a, b, offs, out_dtype)
+    return _grouped_mm_op(a, b, offs, out_dtype)

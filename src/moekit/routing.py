@@ -29,6 +29,7 @@ from ._kernels.routing import (
     _route_scatter_kernel,
     _router_topk_kernel,
 )
+from .dispatch import custom_op
 
 _BLOCK = 128  # routed entries per program of the metadata kernels
 
@@ -214,7 +215,7 @@ def combine_bwd(dout, y, weights, row_of, need_weights: bool, rows: int | None =
 # --------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("moekit::routing_metadata", mutates_args=())
+@custom_op("moekit::routing_metadata")
 def _routing_metadata_op(
     experts: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -228,7 +229,7 @@ def _(experts, num_experts):
             experts.new_empty(experts.numel(), **i32), experts.new_empty(experts.shape, **i32))
 
 
-@torch.library.custom_op("moekit::router_topk", mutates_args=())
+@custom_op("moekit::router_topk")
 def _router_topk_op(key: torch.Tensor, scores: torch.Tensor, top_k: int,
                     renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return router_topk_fwd(key, scores, top_k, renormalize)
@@ -253,7 +254,7 @@ def _router_topk_backward(ctx, dw, _):
 _router_topk_op.register_autograd(_router_topk_backward, setup_context=_router_topk_setup)
 
 
-@torch.library.custom_op("moekit::combine", mutates_args=())
+@custom_op("moekit::combine")
 def _combine_op(y: torch.Tensor, weights: torch.Tensor | None, row_of: torch.Tensor) -> torch.Tensor:
     return combine_fwd(y, weights, row_of)
 
@@ -263,7 +264,7 @@ def _(y, weights, row_of):
     return y.new_empty((row_of.shape[0], y.shape[1]))
 
 
-@torch.library.custom_op("moekit::combine_bwd", mutates_args=())
+@custom_op("moekit::combine_bwd")
 def _combine_bwd_op(
     dout: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, row_of: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -275,7 +276,7 @@ def _(dout, y, weights, row_of):
     return torch.empty_like(y), weights.new_empty(weights.shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("moekit::scatter_rows", mutates_args=())
+@custom_op("moekit::scatter_rows")
 def _scatter_rows_op(dout: torch.Tensor, row_of: torch.Tensor, rows: int) -> torch.Tensor:
     """The plain combine's backward: dy[row_of[t, k]] = dout[t], (R, D); no weights, no y."""
     return combine_bwd(dout, None, None, row_of, False, rows=rows)[0]
@@ -303,7 +304,7 @@ def _combine_backward(ctx, dout):
 _combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 
-@torch.library.custom_op("moekit::gather_rows", mutates_args=())
+@custom_op("moekit::gather_rows")
 def _gather_op(x: torch.Tensor, token_idx: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
     # out[row_of[t, k]] = x[t], which is x[token_idx]: the plain combine's backward kernel, which
     # reads each token row once
@@ -315,7 +316,7 @@ def _(x, token_idx, row_of):
     return x.new_empty((token_idx.shape[0], x.shape[1]))
 
 
-@torch.library.custom_op("moekit::gather_rows_bwd", mutates_args=())
+@custom_op("moekit::gather_rows_bwd")
 def _gather_bwd_op(dxs: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
     return combine_fwd(dxs, None, row_of)  # dx[t] = sum_k dxs[row_of[t, k]]: no atomics
 
@@ -391,7 +392,7 @@ def _split_bf16(w: torch.Tensor) -> torch.Tensor:
     return torch.cat([hi, (w - hi.float()).to(torch.bfloat16)])
 
 
-@torch.library.custom_op("moekit::router_logits", mutates_args=())
+@custom_op("moekit::router_logits")
 def _router_logits_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """fp32 logits of bf16 tokens on the tensor cores: x (T, D) bf16 times the fp32 gate weight (E, D)
     split into two bf16 terms (hi + lo, ~16 mantissa bits: routing then agrees with an fp32 GEMM up
@@ -408,7 +409,7 @@ def _(x, weight, bias):
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
-@torch.library.custom_op("moekit::router_logits_bwd", mutates_args=())
+@custom_op("moekit::router_logits_bwd")
 def _router_logits_bwd_op(
     grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_x: bool, need_w: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
