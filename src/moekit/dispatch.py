@@ -13,8 +13,9 @@ GPU. :func:`custom_op` registers the same op, and a call goes
   an ``autograd.Function`` that runs the implementation, then the registered ``setup_context`` and,
   on the way back, ``backward`` (what the op's generated autograd function runs, without the
   dispatcher);
-- otherwise: straight to the implementation (under ``no_grad`` where an input requires grad, since
-  the op itself would record no graph through its body).
+- in eager mode with an input requiring grad and no formula registered: through the op, which
+  raises on backward, as torch.library ops do;
+- otherwise: straight to the implementation.
 
 The eager and compiled paths run the same implementation, so they give the same bits.
 """
@@ -87,10 +88,9 @@ class CustomOp:
             return self.op(*args)
         args = self._filled(args)
         if torch.is_grad_enabled() and _requires_grad(args):
-            if self._function is not None:
-                return self._function.apply(*args)
-            with torch.no_grad():
-                return self.impl(*args)
+            if self._function is None:  # no formula: the op's own behaviour (an error on backward)
+                return self.op(*args)
+            return self._function.apply(*args)
         return self.impl(*args)
 
 
