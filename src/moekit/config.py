@@ -62,8 +62,8 @@ class Options:
     - ``sm_margin`` (``MOEKIT_SM_MARGIN``, 0): SMs the persistent GEMMs leave free (they launch one
       program per SM minus this many). Under expert parallelism with overlap the all-to-all's NCCL
       kernel (32 CTAs on two H200s) runs beside the GEMMs, and a persistent GEMM that finds SMs taken
-      waits for them (its tiles are assigned statically). A margin of 16 did not pay on two H200s,
-      where the chunked step is host-bound (docs/design.md, section 15).
+      waits for them (its tiles are assigned statically). Margins of 16 and 32 SMs did not pay on
+      two H200s (docs/design.md, section 15).
     - ``poison`` (no variable; a test aid): every kernel output starts as NaN (-1 for integers), so an
       unwritten element shows.
     """
