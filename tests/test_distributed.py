@@ -31,6 +31,7 @@ from moekit.testing import assert_close
 BF16 = torch.bfloat16
 D, F, E = 16, 8, 8  # the NCCL workers set D, F = 256, 128 (GPU_DIMS)
 GPU_DIMS = (256, 128)
+CKPT_ROOT = ""  # the workers' shared folder (checkpoints)
 BLOCKS = {  # the gpt-oss block (weights applied in the combine), the bias-free block (weights in the epilogue)
     "gpt-oss": {},
     "plain": dict(bias=False, router_bias=False, activation="swiglu"),
@@ -112,6 +113,34 @@ def _reshard_2_to_4(rank, world):
     assert torch.equal(ep4(x), moe(x))  # each rank's own tokens: EP=4 matches the resharded weights
     back = ep4.full_state_dict()
     assert all(torch.equal(back[k], full[k]) for k in full)
+
+
+def _dcp_reshard(rank, world):
+    """torch.distributed.checkpoint between EP sizes: EP = 2 groups save, EP = 4 loads in place (and
+    back), each matching the weights saved; no full state dict on any rank."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    moe = MoE(D, F, E, 2, dtype=BF16, **BLOCKS["plain"])
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    ep2 = ExpertParallelMoE.from_moe(moe, group=pairs[rank // 2])
+    x = torch.randn(7, D).to(BF16)
+    ep2(x).float().square().sum().backward()
+    with torch.no_grad():
+        for p in ep2.experts.parameters():
+            p -= 0.5 * p.grad.to(p.dtype)
+        ep2.expert_bias += 0.25
+    saved = ep2.full_state_dict()
+    path = os.path.join(CKPT_ROOT, "ep2")
+    dcp.save(ep2.sharded_state_dict(), checkpoint_id=path)
+    ep4 = ExpertParallelMoE(D, F, E, 2, dtype=BF16, **BLOCKS["plain"])
+    dcp.load(ep4.sharded_state_dict(), checkpoint_id=path)
+    got = ep4.full_state_dict()
+    assert got.keys() == saved.keys() and all(torch.equal(got[k], saved[k]) for k in saved)
+    dcp.save(ep4.sharded_state_dict(), checkpoint_id=os.path.join(CKPT_ROOT, "ep4"))
+    back = ExpertParallelMoE(D, F, E, 2, dtype=BF16, group=pairs[rank // 2], **BLOCKS["plain"])
+    dcp.load(back.sharded_state_dict(), checkpoint_id=os.path.join(CKPT_ROOT, "ep4"))
+    assert all(torch.equal(back.state_dict()[k], ep2.state_dict()[k]) for k in saved)
 
 
 def _idle_rank(rank, world, splits):
@@ -230,7 +259,7 @@ def _device_splits_graph(rank, world):
 
 
 HOT, COLD = 1e4, -1e4
-ONLY = {"reshard-2-to-4": 4, "top4-device": 4}  # cases that need a given world size
+ONLY = {"reshard-2-to-4": 4, "dcp-reshard-2-to-4": 4, "top4-device": 4}  # cases that need a given world size
 CASES = {  # name: the case, run on every rank; the comment says what it covers
     **{f"match-{b}-{s}-chunks{c}": partial(_match_moe, block=b, splits=s, chunks=c)
        for b in BLOCKS for s in ("host", "device") for c in (1, 3)},
@@ -250,6 +279,7 @@ CASES = {  # name: the case, run on every rank; the comment says what it covers
     "device-splits-unequal-tokens": _device_splits_need_equal_tokens,
     "from-moe-nvfp4": _from_moe_keeps_nvfp4,
     "reshard-2-to-4": _reshard_2_to_4,
+    "dcp-reshard-2-to-4": _dcp_reshard,
     "compile": _compiled_over_the_kernels,
     "fsdp2": _fsdp2_on_the_router,
     "device-splits-graph": _device_splits_graph,
@@ -258,7 +288,8 @@ GPU_ONLY = {"device-splits-graph"}
 WORLD_CASES = {
     2: [n for n in CASES if ONLY.get(n, 2) == 2 and n not in GPU_ONLY and (n != "compile" or config.is_interpreting())],
     4: ["match-plain-host-chunks1", "match-plain-device-chunks3", "match-gpt-oss-device-chunks1",
-        "match-gpt-oss-host-chunks3", "idle-rank-device", "hot-expert-host", "top4-device", "reshard-2-to-4"],
+        "match-gpt-oss-host-chunks3", "idle-rank-device", "hot-expert-host", "top4-device", "reshard-2-to-4",
+        "dcp-reshard-2-to-4"],
 }
 
 
@@ -282,7 +313,8 @@ def _nccl_cases(world: int) -> list[str]:
 
 
 def _worker(rank: int, world: int, folder: str, names: list[str], backend: str = "gloo") -> None:
-    global D, F
+    global D, F, CKPT_ROOT
+    CKPT_ROOT = folder
     device_id = None
     if backend == "nccl":  # one GPU per rank, the kernels, tensors created on it by default
         D, F = GPU_DIMS

@@ -390,6 +390,29 @@ class ExpertParallelMoE(nn.Module):
             out[key] = value
         return out
 
+    def sharded_state_dict(self) -> dict:
+        """The state dict for ``torch.distributed.checkpoint`` (DCP): each expert tensor as a DTensor of
+        the full (E, ...) shape, sharded along dim 0 over the EP group (``Shard(0)``) and viewing this
+        rank's tensor; everything else (replicated) as is. Keys are :class:`moekit.MoE`'s.
+
+        ``dcp.save(ep.sharded_state_dict(), checkpoint_id=path)`` on every rank writes one checkpoint
+        (each rank its own shard; replicated tensors and EP replicas are written once), and
+        ``dcp.load(sd := ep.sharded_state_dict(), checkpoint_id=path)`` at any EP size whose W divides E
+        reads it in place, into the parameters themselves: no rank holds the full experts."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        group = self.group if self.group is not None else dist.group.WORLD
+        mesh = DeviceMesh.from_group(group, self.expert_bias.device.type)
+        out = {}
+        for key, value in self.state_dict().items():
+            if key.startswith("experts."):
+                shape = torch.Size((self.num_experts, *value.shape[1:]))
+                value = DTensor.from_local(value, mesh, [Shard(0)], run_check=False, shape=shape,
+                                           stride=torch.empty(shape, device="meta").stride())
+            out[key] = value
+        return out
+
     # ---- replicated state -------------------------------------------------------------------------
 
     def router_parameters(self) -> list[nn.Parameter]:
