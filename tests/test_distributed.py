@@ -224,6 +224,38 @@ def _fsdp2_on_the_router(rank, world):
         torch.testing.assert_close(grad, moe.get_parameter(name).grad, **tol)
 
 
+def _ep_by_fsdp2(rank, world):
+    """torchtitan's EP x FSDP layout on a (dp = 2, ep = 2) mesh: experts sharded over "ep" by the
+    module and again over "dp" by FSDP2 (it all-gathers them for the compute and reduce-scatters
+    their gradients as a mean over dp); the router fully sharded over all four ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = torch.get_default_device().type
+    mesh = init_device_mesh(device, (2, world // 2), mesh_dim_names=("dp", "ep"))
+    torch.manual_seed(0)
+    moe = MoE(D, F, E, 2, dtype=BF16, **BLOCKS["plain"])
+    tokens = [6 + r for r in range(world)]
+    xs, dys = _inputs(tokens)
+    ep = ExpertParallelMoE.from_moe(moe, group=mesh.get_group("ep"))
+    fully_shard(ep.experts, mesh=mesh["dp"])
+    fully_shard(ep, mesh=mesh._flatten("dp_ep"))
+    x = xs[rank].clone().requires_grad_()
+    ep(x).backward(dys[rank])
+    xf = torch.cat(xs).requires_grad_()
+    moe(xf).backward(torch.cat(dys))
+    mine = slice(sum(tokens[:rank]), sum(tokens[: rank + 1]))
+    assert torch.equal(x.grad, xf.grad[mine]), "dx"
+    shard = slice(ep.expert_start, ep.expert_start + ep.local_experts)
+    for name, p in ep.experts.named_parameters(prefix="experts"):
+        assert p.to_local().shape[0] == ep.local_experts // 2, name  # sharded again over dp
+        grad = p.grad.full_tensor().float() * 2  # the mean over the two dp replicas' partial sums
+        assert_close(grad, moe.get_parameter(name).grad[shard].float(), BF16, what=name)
+    for name, p in ep.router.named_parameters(prefix="router"):
+        tol = dict(rtol=1e-4, atol=1e-5) if p.is_cuda else dict(rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(p.grad.full_tensor() * world, moe.get_parameter(name).grad, **tol)
+
+
 def _device_splits_graph(rank, world):
     """GPUs: the device-splits path runs forward and backward with host syncs forbidden, and its
     forward replays from a CUDA graph captured on every rank (the all-to-alls inside)."""
@@ -259,7 +291,8 @@ def _device_splits_graph(rank, world):
 
 
 HOT, COLD = 1e4, -1e4
-ONLY = {"reshard-2-to-4": 4, "dcp-reshard-2-to-4": 4, "top4-device": 4}  # cases that need a given world size
+# cases that need a given world size
+ONLY = {"reshard-2-to-4": 4, "dcp-reshard-2-to-4": 4, "ep-x-fsdp2": 4, "top4-device": 4}
 CASES = {  # name: the case, run on every rank; the comment says what it covers
     **{f"match-{b}-{s}-chunks{c}": partial(_match_moe, block=b, splits=s, chunks=c)
        for b in BLOCKS for s in ("host", "device") for c in (1, 3)},
@@ -280,6 +313,7 @@ CASES = {  # name: the case, run on every rank; the comment says what it covers
     "from-moe-nvfp4": _from_moe_keeps_nvfp4,
     "reshard-2-to-4": _reshard_2_to_4,
     "dcp-reshard-2-to-4": _dcp_reshard,
+    "ep-x-fsdp2": _ep_by_fsdp2,
     "compile": _compiled_over_the_kernels,
     "fsdp2": _fsdp2_on_the_router,
     "device-splits-graph": _device_splits_graph,
@@ -289,7 +323,7 @@ WORLD_CASES = {
     2: [n for n in CASES if ONLY.get(n, 2) == 2 and n not in GPU_ONLY and (n != "compile" or config.is_interpreting())],
     4: ["match-plain-host-chunks1", "match-plain-device-chunks3", "match-gpt-oss-device-chunks1",
         "match-gpt-oss-host-chunks3", "idle-rank-device", "hot-expert-host", "top4-device", "reshard-2-to-4",
-        "dcp-reshard-2-to-4"],
+        "dcp-reshard-2-to-4", "ep-x-fsdp2"],
 }
 
 

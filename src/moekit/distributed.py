@@ -293,7 +293,8 @@ class ExpertParallelMoE(nn.Module):
     (E,) (replicated) and ``tokens_per_expert`` (E,) (this rank's tokens). State-dict keys are
     :class:`moekit.MoE`'s, with the expert tensors (El, ...) instead of (E, ...):
     :meth:`load_full_state_dict` and :meth:`full_state_dict` convert, so checkpoints move between EP
-    sizes and to and from a single-process :class:`moekit.MoE`.
+    sizes and to and from a single-process :class:`moekit.MoE`; :meth:`sharded_state_dict` does the
+    same through ``torch.distributed.checkpoint`` without a full copy on any rank.
 
     ``forward(x)``: x (..., D) bf16/fp16, this rank's tokens -> (..., D) in x.dtype. A collective: every
     rank of the group calls it, with the same C (and, with "device" splits, the same token count).
