@@ -112,7 +112,10 @@ def ws_gemm(a, b, offs, c, *, epilogue: Epilogue = Epilogue.PLAIN, bias=None, ou
     # aux / d_aux as int32 words of bf16 pairs
     c_arg = c.view(torch.int32) if epilogue in (Epilogue.SWIGLU, Epilogue.DSWIGLU) else c
     sw = spec.constexprs() if spec is not None else dict(ALPHA=1.0, LIMIT=None, OFFSET=0.0)
-    common = dict(NUM_SMS=programs, GROUP_M=WS_GROUP_M, STAGES=WS_STAGES, B_TRANS=b_trans,
+    # The tile stride is the device's program count, not this launch's grid (min of it and the tiles):
+    # correct either way (a grid below it covers every tile in one pass), and a constexpr that does not
+    # follow M, N and E keeps one compiled kernel per device instead of one per small problem size.
+    common = dict(NUM_SMS=config.num_sms(a.device), GROUP_M=WS_GROUP_M, STAGES=WS_STAGES, B_TRANS=b_trans,
                   ALPHA=sw["ALPHA"], LIMIT=sw["LIMIT"], OFFSET=sw["OFFSET"], maxnreg=168)
     if dsw:  # one 8-warp consumer partition (hopper_gemm.py)
         aux_desc = ws_desc(aux, [m, aux.shape[1]], [aux.stride(0), 1], [bm, bn])
@@ -160,7 +163,7 @@ def ws_ragged_k(a, b, offs, out, colsum, mode: ColSum):
         a_desc, ones_desc, b_desc, c_desc,
         colsum if colsum is not None else out, colsum.stride(0) if colsum is not None else 0,
         offs, m, n, kt, e,
-        NUM_SMS=programs, GROUP_M=WS_GROUP_M, STAGES=WS_STAGES, COLSUM=int(mode),
+        NUM_SMS=config.num_sms(a.device), GROUP_M=WS_GROUP_M, STAGES=WS_STAGES, COLSUM=int(mode),  # see ws_gemm
         num_warps=4, maxnreg=168,
     )
 
