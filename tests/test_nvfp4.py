@@ -351,6 +351,20 @@ def test_quantize_kernel_special_values(interpreter):
     _check_special_values("cpu")
 
 
+def test_tiny_tensors_quantize_near_x(interpreter):
+    """x ~ 2^-135 (fp32 subnormals, a subnormal global scale): a block's scale times the global scale
+    is ~2^-135, whose reciprocal would overflow fp32 (so the values are divided by it, not multiplied
+    by its reciprocal). The kernel matches the reference bit for bit, and the large values dequantize
+    near x."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 64) * 2.0**-135
+    want = nvfp4.quantize_ref(x)
+    _assert_bit_equal(nvfp4.quantize(x), want)
+    deq = nvfp4.dequantize_ref(*want)
+    big = x.abs() >= x.abs().max() / 2
+    assert big.any() and ((deq - x).abs()[big] <= x.abs()[big] / 3).all()
+
+
 def _weights(shape, layout, device="cpu"):
     e, k, n = shape
     w = torch.randn(e, n, k, device=device) * 10 ** (torch.rand(e, n, 1, device=device) * 6 - 3)
