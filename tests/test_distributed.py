@@ -93,10 +93,11 @@ def _state_dict_round_trip(rank, world):
         assert torch.equal(full[key], ref[key]), key
 
 
-def _reshard_2_to_4(rank, world):
-    """Train EP=2 groups one step, gather its full state dict, load it into EP=4 and into a MoE."""
+def _trained_ep2(rank, block):
+    """A MoE and its EP = 2 shards (groups {0, 1} and {2, 3} of four ranks) after one SGD step of the
+    experts: (moe, ep2, the pair groups, the step's tokens)."""
     torch.manual_seed(0)
-    moe = MoE(D, F, E, 2, dtype=BF16, **BLOCKS["gpt-oss"])
+    moe = MoE(D, F, E, 2, dtype=BF16, **BLOCKS[block])
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
     ep2 = ExpertParallelMoE.from_moe(moe, group=pairs[rank // 2])
     x = torch.randn(7, D).to(BF16)
@@ -104,6 +105,12 @@ def _reshard_2_to_4(rank, world):
     with torch.no_grad():
         for p in ep2.experts.parameters():
             p -= 0.5 * p.grad.to(p.dtype)
+    return moe, ep2, pairs, x
+
+
+def _reshard_2_to_4(rank, world):
+    """Train EP=2 groups one step, gather its full state dict, load it into EP=4 and into a MoE."""
+    moe, ep2, _, x = _trained_ep2(rank, "gpt-oss")
     full = ep2.full_state_dict()  # over the pair
     assert full["experts.mlp1_weight_EGD"].shape[0] == E and not torch.equal(full["experts.mlp1_weight_EGD"],
                                                                              moe.experts.mlp1_weight_EGD)
@@ -120,15 +127,8 @@ def _dcp_reshard(rank, world):
     back), each matching the weights saved; no full state dict on any rank."""
     import torch.distributed.checkpoint as dcp
 
-    torch.manual_seed(0)
-    moe = MoE(D, F, E, 2, dtype=BF16, **BLOCKS["plain"])
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    ep2 = ExpertParallelMoE.from_moe(moe, group=pairs[rank // 2])
-    x = torch.randn(7, D).to(BF16)
-    ep2(x).float().square().sum().backward()
+    _, ep2, pairs, _ = _trained_ep2(rank, "plain")
     with torch.no_grad():
-        for p in ep2.experts.parameters():
-            p -= 0.5 * p.grad.to(p.dtype)
         ep2.expert_bias += 0.25
     saved = ep2.full_state_dict()
     path = os.path.join(CKPT_ROOT, "ep2")
@@ -273,6 +273,12 @@ def _device_splits_graph(rank, world):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert_close(y, moe(torch.cat(xs))[64 * rank : 64 * (rank + 1)].float(), BF16, what="y")
+    _forward_replays_from_a_cuda_graph(ep, x)
+
+
+def _forward_replays_from_a_cuda_graph(ep, x):
+    """Capture ep's forward on a copy of x in a CUDA graph (warmed up on a side stream), give the copy
+    new values, replay, and compare with an eager forward: bit for bit."""
     static_x = x.detach().clone()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -282,7 +288,6 @@ def _device_splits_graph(rank, world):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), torch.no_grad():
         static_y = ep(static_x)
-    torch.manual_seed(1 + rank)
     static_x.copy_(torch.randn_like(static_x))
     graph.replay()
     torch.cuda.synchronize()
@@ -475,20 +480,7 @@ def test_device_splits_have_no_host_sync_and_capture_in_a_cuda_graph(tmp_path):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert_close(y, moe(x.detach()).float(), BF16, what="y")
-        static_x = x.detach().clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.no_grad():
-            ep(static_x)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), torch.no_grad():
-            static_y = ep(static_x)
-        static_x.copy_(torch.randn_like(static_x))
-        graph.replay()
-        torch.cuda.synchronize()
-        with torch.no_grad():
-            assert torch.equal(static_y, ep(static_x))
+        _forward_replays_from_a_cuda_graph(ep, x)
     finally:
         dist.destroy_process_group()
 
