@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU workflow in one command: the GPU test suite, then the benchmarks, with logs and tables in $OUT.
-#   bash benchmarks/run_gpu.sh [tests] [bench] [moe] [experts] [grouped_mm] [sweep] [profile] [sanitize]
+#   bash benchmarks/run_gpu.sh [tests] [bench] [moe] [experts] [grouped_mm] [sweep] [profile] [sanitize] [ep]
 #     (default: tests bench)
 #   tests:   python -m pytest -m gpu
 #   bench:   python -m moekit bench (all three tables and their plots)
 #   moe / experts / grouped_mm: one table alone; sweep: the grouped-GEMM config sweep;
 #   profile: per-kernel times of one gpt-oss-20b and -120b expert step.
 #   sanitize: compute-sanitizer's four tools over benchmarks/sanitize_set.py (benchmarks/sanitize.sh).
+#   ep: expert-parallel weak scaling over every GPU of the machine (benchmarks/ep_scaling.py; two or more
+#       GPUs, NVLink multicast off).
 # Optional archives, when present in the working tree:
 #   .triton/triton.tar.xz  a Triton release to run on instead of the machine's own (a slim wheel tree)
 #   .sonic/sonic.tar.xz    sonic-moe 0.1.2.post1 with its CuTe-DSL stack: the MoE table then times
@@ -49,5 +51,8 @@ for step in $steps; do
     sanitize) bash benchmarks/sanitize.sh 2>&1 | tee "$OUT/sanitize.log" ;;
     profile) for s in gpt-oss-20b gpt-oss-120b; do python3 benchmarks/profile_experts.py --shape $s; done 2>&1 \
       | tee "$OUT/profile.log" ;;
+    ep) NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+      python3 benchmarks/ep_scaling.py --chunks 1 --chunks 2 --chunks 4 --profile --out "$OUT/ep_scaling.md" 2>&1 \
+      | tee "$OUT/ep.log" ;;
   esac
 done
