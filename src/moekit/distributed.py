@@ -38,7 +38,8 @@ started as soon as its experts finish, so the all-to-alls of one slice run while
 do. The backward overlaps the same way: each reverse all-to-all is started by one autograd node and
 waited on by another. Expert-weight gradients then add up slice by slice. Measured on two H200s, C > 1
 was slower than C = 1 at gpt-oss-120b and qwen3-30b-a3b: each slice repeats the host's per-op cost
-while its GPU work shrinks, and the step becomes host-bound (docs/design.md, section 15).
+while its GPU work shrinks, and NCCL's kernels wait for SMs that the GEMMs hold (docs/design.md,
+section 15).
 
 Gradients: the collectives are autograd functions whose backward is the reverse all-to-all, so the
 backward is a collective too (every rank runs it; x requires grad on all ranks or on none).
