@@ -3,18 +3,26 @@ family and path once, on tiny shapes that still hit group tails, empty experts a
 ``offs[-1]``. Each case runs its op forward and backward and checks the result against the float64
 reference, so a kernel that the sanitizer passes but that computes garbage still fails.
 
-``python benchmarks/sanitize_set.py [--list] [case ...]``: run the named cases (default: all) and
-print one line per case.
+``python benchmarks/sanitize_set.py [--list] [--kernels] [case ...]``: run the named cases (default:
+all) and print one line per case; ``--kernels`` also names the Triton and Gluon kernels each case
+launched (torch.profiler), the coverage that the sanitizer's table stands for.
 
 The cases:
 - ``gemm_tma``: 2D x 3D grouped GEMM on the TMA / warp-specialized path (bf16, aligned K and N), its
   dgrad and its ragged-K weight gradient, with an empty expert and rows past ``offs[-1]``;
+- ``gemm_ws``: the same with >= 128 rows per group on average, so that the forward and the dgrad take
+  the warp-specialized rows-ragged Gluon kernel (smaller groups keep Triton's kernel);
 - ``gemm_pointer``: the same on the pointer-load path (K and N not 16-byte aligned), fp16;
 - ``gemm_wgrad_empty``: ragged-K with every group but one empty;
 - ``moe_plain``: the MoE block with plain SwiGLU and no biases (router, routing scan, permute-free
   up-projection with row scales, fused down-projection, plain combine, dSwiGLU, the row scatter);
 - ``moe_gpt_oss``: the gpt-oss block (biases, the gpt-oss SwiGLU, the weighted combine and its
   weight gradient, the ones column that hands db_up to the weight-gradient GEMM);
+- ``moe_ws``: the plain block with >= 128 routed rows per expert: the down-projection and the
+  up-projection's dgrad on the warp-specialized rows-ragged kernel;
+- ``moe_dswiglu``: the gpt-oss block with >= 128 routed rows per expert and ``fused_dswiglu=True``: the
+  down-projection's dgrad on the dSwiGLU-epilogue kernel (which serves blocks whose routing weights
+  are applied after the down-projection: the gpt-oss configuration);
 - ``nvfp4``: quantize with an amax on the device, dequantize, and the ragged tiled scale layout.
 """
 
@@ -63,6 +71,10 @@ def gemm_tma():
     _gemm_case(128, 192, torch.bfloat16, [70, 0, 129, 1, 64], 300)
 
 
+def gemm_ws():
+    _gemm_case(128, 256, torch.bfloat16, [300, 0, 257, 1, 130], 720)
+
+
 def gemm_pointer():
     _gemm_case(72, 40, torch.float16, [33, 0, 65, 7], 120)
 
@@ -77,9 +89,9 @@ def gemm_wgrad_empty():
     assert torch.all(out[[0, 1, 3]] == 0), "an empty group's weight gradient is not zero"
 
 
-def _moe_case(**kw):
+def _moe_case(e=8, t=77, **kw):
     torch.manual_seed(2)
-    d, f, e, k, t = 128, 192, 8, 2, 77
+    d, f, k = 128, 192, 2
     moe = moekit.MoE(d, f, e, k, device=DEV, dtype=torch.bfloat16, **kw)
     x = torch.randn(t, d, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     y = moe(x)
@@ -93,6 +105,15 @@ def moe_plain():
 
 def moe_gpt_oss():
     _moe_case()
+
+
+def moe_ws():
+    _moe_case(e=4, t=300, bias=False, router_bias=False, activation="swiglu")
+
+
+def moe_dswiglu():
+    with moekit.options(fused_dswiglu=True):
+        _moe_case(e=4, t=300)
 
 
 def nvfp4_case():
@@ -110,10 +131,13 @@ def nvfp4_case():
 
 CASES = {
     "gemm_tma": gemm_tma,
+    "gemm_ws": gemm_ws,
     "gemm_pointer": gemm_pointer,
     "gemm_wgrad_empty": gemm_wgrad_empty,
     "moe_plain": moe_plain,
     "moe_gpt_oss": moe_gpt_oss,
+    "moe_ws": moe_ws,
+    "moe_dswiglu": moe_dswiglu,
     "nvfp4": nvfp4_case,
 }
 
@@ -122,10 +146,18 @@ def main(argv: list[str]) -> int:
     if "--list" in argv:
         print(" ".join(CASES))
         return 0
+    kernels = "--kernels" in argv and DEV == "cuda"
     failed = 0
-    for name in argv or list(CASES):
+    for name in [a for a in argv if not a.startswith("--")] or list(CASES):
         try:
-            CASES[name]()
+            if kernels:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    CASES[name]()
+                    torch.cuda.synchronize()
+                names = sorted({e.name for e in prof.events() if e.name.startswith("_")})
+                print(f"{name} kernels: {' '.join(names)}", flush=True)
+            else:
+                CASES[name]()
             if DEV == "cuda":
                 torch.cuda.synchronize()
             print(f"{name}: ok", flush=True)

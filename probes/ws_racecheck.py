@@ -9,51 +9,68 @@ warps, workers of 4 and 1 warps, as the ragged-K kernel) and only stores to glob
 partition to its own slice. Hazards here are Triton's warp-specialization hand-off, not moekit's
 pipeline.
 
+Variants (the first argument):
+- ``plain``: the partitions as above; the default partition never synchronizes inside itself;
+- ``init``: the kernel also initializes an mbarrier before ``gl.warp_specialize``, as every moekit
+  kernel does, which Triton follows with ``bar.sync 0, 128`` (barrier 0, the default warps only);
+- ``barrier``: the default partition calls ``gl.thread_barrier()`` (``bar.sync 0, 128`` again).
+Triton's hand-off is the same in all three: the default warps store one state byte per worker warp,
+then every warp meets at barrier 1, then the workers read their byte. If racecheck reports that
+byte only where barrier 0 runs with a partial count, it is racecheck's model of barrier 0, not a race.
+
 Run on a Hopper GPU:
-    compute-sanitizer --tool racecheck python probes/ws_racecheck.py
+    compute-sanitizer --tool racecheck --racecheck-report hazard python probes/ws_racecheck.py [plain|init|barrier]
 The script itself checks the output (every partition wrote its slice, for every program).
 """
+
+import sys
 
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 BLOCK = 128
 
 
 @gluon.jit
-def _fill(out, slot: gl.constexpr, BLOCK: gl.constexpr):
+def _fill(out, slot: gl.constexpr, BLOCK: gl.constexpr, SYNC: gl.constexpr):
     """out[program, slot, :] = program * 10 + slot, from whichever warps run this partition."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     idx = gl.arange(0, BLOCK, layout=layout)
     pid = gl.program_id(0)
     value = gl.zeros([BLOCK], gl.float32, layout) + (pid * 10 + slot).to(gl.float32)
+    if SYNC:
+        gl.thread_barrier()
     gl.store(out + (pid * 3 + slot) * BLOCK + idx, value)
 
 
 @gluon.jit
-def _ws_kernel(out, BLOCK: gl.constexpr):
+def _ws_kernel(out, BLOCK: gl.constexpr, INIT: gl.constexpr, SYNC: gl.constexpr):
+    if INIT:
+        bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(bar.index(0), count=1)
     gl.warp_specialize(
         [
-            (_fill, (out, 0, BLOCK)),
-            (_fill, (out, 1, BLOCK)),
-            (_fill, (out, 2, BLOCK)),
+            (_fill, (out, 0, BLOCK, SYNC)),
+            (_fill, (out, 1, BLOCK, False)),
+            (_fill, (out, 2, BLOCK, False)),
         ],
         [4, 1],
         [232, 40],
     )
 
 
-def main() -> int:
+def main(variant: str) -> int:
     programs = 8
     out = torch.full((programs, 3, BLOCK), float("nan"), device="cuda")
-    _ws_kernel[(programs,)](out, BLOCK, num_warps=4)
+    _ws_kernel[(programs,)](out, BLOCK, variant == "init", variant == "barrier", num_warps=4)
     torch.cuda.synchronize()
     want = (torch.arange(programs, device="cuda")[:, None] * 10 + torch.arange(3, device="cuda")[None, :]).float()
     ok = torch.equal(out, want[:, :, None].expand_as(out))
-    print("warp_specialize partitions wrote their slices:", "PASS" if ok else "FAIL")
+    print(f"{variant}: warp_specialize partitions wrote their slices:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1] if len(sys.argv) > 1 else "plain"))
