@@ -454,6 +454,15 @@ def quantize_fwd(x3: torch.Tensor, gscale: torch.Tensor, per_group: bool, block_
     scales = config.empty((groups * r, k // BLOCK), dtype=torch.uint8, device=x3.device)
     if values.numel() == 0:
         return values, scales
+    if not block_2d and not stochastic and config.use_gluon_quantize(x3.device):
+        from ._kernels.nvfp4_gluon import _quantize_rows_kernel
+
+        bm, nb = 32, 8  # 4 warps x 4 rows x 2 repeats; 8 blocks (128 elements) of a row per program
+        _quantize_rows_kernel[(triton.cdiv(r, bm), triton.cdiv(k, 16 * nb), groups)](
+            x3, values, scales, gscale, r, k, *x3.stride(), int(per_group),
+            BLOCK_M=bm, NB=nb, TPW_B=nb, num_warps=4,
+        )
+        return values, scales
     bm, bk = _tile(k)
     _quantize_kernel[(triton.cdiv(r, bm), triton.cdiv(k, bk), groups)](
         x3, values, scales, gscale,

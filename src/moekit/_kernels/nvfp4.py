@@ -81,12 +81,16 @@ def _e4m3_value(code):
 @triton.jit
 def _e2m1_code(q):
     """fp32 values already divided by their scales -> 4-bit e2m1 codes (int32, sign in bit 3): nearest,
-    ties to the even code, saturating at +-6, NaN -> 0. Strict compares at the midpoints whose lower
-    neighbour is even (0.25, 1.25, 2.5, 5), non-strict where the upper one is (0.75, 1.75, 3.5)."""
+    ties to the even code, saturating at +-6, NaN -> 0. The magnitudes are 0.5 * (0..4) below 2, 2 and
+    3, then 4 and 6: the code is RNE(2|q|) below 2, RNE(|q|) + 2 below 4, RNE(|q| / 2) + 4 above, and
+    each of those ties (0.25, 0.75, ..., 5) goes to the even code as RNE's tie goes to the even integer.
+    RNE(v) for 0 <= v < 2^22 is the low bits of fp32 v + 1.5 * 2^23 (one FMA: the product by a power of
+    two is exact)."""
     mag = tl.where(q == q, tl.abs(q), 0.0)
-    code = (mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32)
-    code += (mag >= 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag >= 3.5).to(tl.int32)
-    code += (mag > 5.0).to(tl.int32)
+    scale = tl.where(mag < 2.0, 2.0, tl.where(mag < 4.0, 1.0, 0.5))
+    base = tl.where(mag < 2.0, 0, tl.where(mag < 4.0, 2, 4))
+    rne = tl.fma(tl.where(mag <= 6.0, mag, 6.0), scale, 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+    code = base + rne
     return code + 8 * ((q < 0) & (code > 0)).to(tl.int32)
 
 
