@@ -56,7 +56,7 @@ for tool in $tools; do
   if [ "$tool" = racecheck ]; then  # "Write Thread (..) at KERNEL+0xOFF in FILE:LINE"
     where=$(grep -oE "(Write|Read) Thread \([0-9,]+\) at [A-Za-z0-9_]+\+0x[0-9a-f]+" "$log" \
       | sed -E 's/ Thread \([0-9,]+\) at / /' | sort | uniq -c | awk '{printf "%s%s %s x%s", sep, $2, $3, $1; sep="; "}')
-  else  # the kernel of each report's "at ..." line: moekit's kernels start with "_"
+  else  # the kernel named on each report's "at ..." line
     where=$(grep -E "^=========     at " "$log" | sed -E 's/^=========     at (void )?//; s/[<(+].*//' \
       | sort | uniq -c | awk '{printf "%s%s x%s", sep, $2, $1; sep="; "}')
   fi

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import moekit
-from moekit import nvfp4
+from moekit import config, nvfp4
 
 E4M3 = torch.float8_e4m3fn
 DEV = "cuda"
@@ -578,6 +578,8 @@ def test_quantize_kernels_match_the_reference_gpu(gluon):
     torch.manual_seed(0)
     x = _activations((4096, 2048), torch.bfloat16, device=DEV)
     with moekit.options(gluon_quantize=gluon):
+        hopper = torch.cuda.get_device_capability()[0] >= 9
+        assert config.use_gluon_quantize(torch.device(DEV)) == (gluon and hopper)  # the kernel under test
         for g in (None, 3e-5, 2.0**-140, 1e-30, 1e30):
             g = g if g is None else torch.tensor(g, device=DEV)
             _assert_bit_equal(nvfp4.quantize(x, g), nvfp4.quantize_ref(x, g))

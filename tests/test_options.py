@@ -28,6 +28,12 @@ def test_options_set_restore_and_reject_unknown():
         moekit.set_options(no_such_option=True)
 
 
+def test_gluon_quantize_only_on_cuda_and_only_when_on():
+    assert not config.use_gluon_quantize(torch.device("cpu"))
+    with moekit.options(gluon_quantize=False):
+        assert not config.use_gluon_quantize(torch.device("cuda"))  # decided before any device query
+
+
 def test_sm_margin_takes_sms_from_the_persistent_launches():
     cuda = torch.device("cuda", 0)
     config._sm_count.cache_clear()
