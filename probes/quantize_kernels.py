@@ -2,7 +2,9 @@
 one process, interleaved: the Gluon kernel (``_kernels/nvfp4_gluon.py``, the ``gluon_quantize``
 option) against the Triton kernel (``_quantize_kernel``), with the global scale given and computed on
 the device, as GB/s (bytes read + written) and a fraction of the device copy bandwidth. Then both
-kernels' outputs, bit for bit.
+kernels' outputs, bit for bit, and a sweep of the Gluon kernel's tile (rows, columns, warps, programs
+per SM, register cap), each checked bit for bit; with ``_before/gluon_before.py`` present (a copy of an
+earlier version of the kernel), that version too.
 
     python probes/quantize_kernels.py
 """
@@ -33,6 +35,51 @@ def main():
     b = nvfp4.quantize(x, g)[:2]
     same = all(torch.equal(p.view(torch.uint8), q.view(torch.uint8)) for p, q in zip(a, b, strict=True))
     print("kernels bit-equal:", same)
+    tiles(x, g, nbytes, copy, b)
+
+
+def tiles(x, g, nbytes, copy, want):
+    """The Gluon kernel's tile: rows per program, blocks per row (NB), warps; each checked bit for bit."""
+    import triton
+
+    from moekit._kernels.nvfp4_gluon import _quantize_rows_kernel
+
+    m, k = x.shape
+    values = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(m, k // 16, dtype=torch.uint8, device=x.device)
+    import importlib.util
+    import os
+    before = os.path.join(os.path.dirname(__file__), "_before", "gluon_before.py")
+    if os.path.exists(before):  # an earlier version of the kernel, when copied there, timed in the same process
+        spec = importlib.util.spec_from_file_location("gluon_before", before)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+
+        def run_before():
+            mod._quantize_rows_kernel[(triton.cdiv(m, 32), triton.cdiv(k, 128), 1)](
+                x, values, scales, g, m, k, 0, x.stride(0), x.stride(1), 0, BLOCK_M=32, NB=8, TPW_B=8, num_warps=4)
+        run_before()
+        same = torch.equal(values, want[0].view(torch.uint8)) and torch.equal(scales, want[1].view(torch.uint8))
+        ms = bench_ms(run_before)
+        print(f"gluon before 32x128 4 warps: {ms:.3f} ms {nbytes / ms / 1e6 / copy:.2f} of copy, bit-equal {same}")
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    for bm, nb, warps, per_sm, maxnreg in (
+            (32, 8, 4, 8, None), (64, 8, 8, 4, None), (64, 8, 8, 2, None), (64, 8, 8, 3, None),
+            (128, 8, 8, 2, None), (128, 8, 16, 2, None), (64, 16, 8, 4, None), (128, 16, 16, 2, None),
+            (64, 8, 8, 4, 64), (64, 8, 8, 4, 80), (128, 8, 16, 2, 64)):
+        tiles_k = triton.cdiv(k, 16 * nb)
+        programs = max(1, min(triton.cdiv(m, bm), sms * per_sm // tiles_k))
+
+        def run(bm=bm, nb=nb, warps=warps, programs=programs, tiles_k=tiles_k, maxnreg=maxnreg):
+            _quantize_rows_kernel[(programs, tiles_k, 1)](
+                x, values, scales, g, m, k, 0, x.stride(0), x.stride(1), 0,
+                BLOCK_M=bm, NB=nb, TPW_B=nb, num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}))
+        values.fill_(0xFF)
+        run()
+        same = torch.equal(values, want[0].view(torch.uint8)) and torch.equal(scales, want[1].view(torch.uint8))
+        ms = bench_ms(run)
+        print(f"gluon tile {bm}x{nb * 16} {warps} warps {per_sm} programs/SM maxnreg {maxnreg}: {ms:.3f} ms "
+              f"{nbytes / ms / 1e6 / copy:.2f} of copy, bit-equal {same}")
 
 
 if __name__ == "__main__":

@@ -58,6 +58,10 @@ E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 BLOCK = 16  # elements per block scale
 TILE_ROWS, TILE_COLS = 128, 4  # the swizzled scale tile
+# The Gluon quantize kernel's tile (rows, 16-element blocks per row, warps) and its persistent programs
+# per SM: the fastest of a sweep on an H100 (probes/quantize_kernels.py, bench/results/h100/nvfp4_quantize.md)
+QUANTIZE_TILE = (128, 8, 16)
+QUANTIZE_PROGRAMS_PER_SM = 2
 INTERLEAVE = 8  # the gate/up column granularity of the "interleaved8" layout
 
 # Midpoints between neighbouring magnitudes; a value exactly on one rounds to the even code.
@@ -457,10 +461,14 @@ def quantize_fwd(x3: torch.Tensor, gscale: torch.Tensor, per_group: bool, block_
     if not block_2d and not stochastic and config.use_gluon_quantize(x3.device):
         from ._kernels.nvfp4_gluon import _quantize_rows_kernel
 
-        bm, nb = 32, 8  # 4 warps x 4 rows x 2 repeats; 8 blocks (128 elements) of a row per program
-        _quantize_rows_kernel[(triton.cdiv(r, bm), triton.cdiv(k, 16 * nb), groups)](
+        bm, nb, warps = QUANTIZE_TILE  # 16 warps x 4 rows x 2 repeats; 8 blocks (128 elements) of a row
+        tiles_k = triton.cdiv(k, 16 * nb)
+        # persistent along the rows: about QUANTIZE_PROGRAMS_PER_SM programs per SM in all
+        row_programs = max(1, min(triton.cdiv(r, bm),
+                                  config.num_sms(x3.device) * QUANTIZE_PROGRAMS_PER_SM // (tiles_k * groups)))
+        _quantize_rows_kernel[(row_programs, tiles_k, groups)](
             x3, values, scales, gscale, r, k, *x3.stride(), int(per_group),
-            BLOCK_M=bm, NB=nb, TPW_B=nb, num_warps=4,
+            BLOCK_M=bm, NB=nb, TPW_B=nb, num_warps=warps,
         )
         return values, scales
     bm, bk = _tile(k)

@@ -14,7 +14,7 @@
 Every rounding here is written out in compare or integer form rather than left to a conversion
 instruction, so that the GPU and the interpreter give the bits of the torch references:
 - fp32 divisions use ``div_rn`` (Triton's ``/`` on fp32 is the approximate ``div.full.f32`` on NVIDIA);
-- e2m1 rounding compares against the midpoints, ties to the even code (``_e2m1_code``);
+- e2m1 rounding is RNE at the e2m1 spacing of each value's binade, from its fp32 bits (``_e2m1_magnitude``);
 - the fp32 -> e4m3 cast of a block scale rounds the fp32 bits (``_e4m3_code``) as torch's cast does;
 - codes decode to fp32 by assembling the fp32 bits (``_e2m1_value``, ``_e4m3_value``).
 Bytes travel as uint8: the launchers pass ``float4_e2m1fn_x2`` / ``float8_e4m3fn`` tensors as uint8 views.
@@ -79,18 +79,31 @@ def _e4m3_value(code):
 
 
 @triton.jit
+def _e2m1_magnitude_bits(m):
+    """fp32 magnitudes m in [0, 6] (no NaN) -> 0x4B400000 + the e2m1 magnitude code 0..7 (int32):
+    nearest, ties to the even code. The magnitudes are 0.5 * (0..4) below 2, 2 and 3, then 4 and 6:
+    with E = max(floor(log2 m), 0), the code is 2E + RNE(m * 2^(1 - E)), and each tie (0.25, 0.75, ...,
+    5) goes to the even code as RNE's tie goes to the even integer. The exponent field of
+    max(m, 1) is E + 127, and its complement is 2^(1 - E)'s; m * 2^(1 - E) is exact. RNE(v) + j for
+    0 <= v < 2^22 and a small integer j is the low bits of fp32 v + (1.5 * 2^23 + j), one FMA."""
+    p2 = ~tl.maximum(m, 1.0).to(tl.int32, bitcast=True) & 0x7F800000  # 2^(1 - E): (128 - E) << 23
+    k = (0x4B400000 + 256) - (p2 >> 22)  # 1.5 * 2^23 + 2E
+    return tl.fma(m, p2.to(tl.float32, bitcast=True), k.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_magnitude(m):
+    """fp32 magnitudes m in [0, 6] (no NaN) -> e2m1 magnitude codes 0..7 (int32), nearest, ties to the
+    even code (``_e2m1_magnitude_bits``)."""
+    return _e2m1_magnitude_bits(m) - 0x4B400000
+
+
+@triton.jit
 def _e2m1_code(q):
     """fp32 values already divided by their scales -> 4-bit e2m1 codes (int32, sign in bit 3): nearest,
-    ties to the even code, saturating at +-6, NaN -> 0. The magnitudes are 0.5 * (0..4) below 2, 2 and
-    3, then 4 and 6: the code is RNE(2|q|) below 2, RNE(|q|) + 2 below 4, RNE(|q| / 2) + 4 above, and
-    each of those ties (0.25, 0.75, ..., 5) goes to the even code as RNE's tie goes to the even integer.
-    RNE(v) for 0 <= v < 2^22 is the low bits of fp32 v + 1.5 * 2^23 (one FMA: the product by a power of
-    two is exact)."""
+    ties to the even code, saturating at +-6, NaN -> 0 (``_e2m1_magnitude``)."""
     mag = tl.where(q == q, tl.abs(q), 0.0)
-    scale = tl.where(mag < 2.0, 2.0, tl.where(mag < 4.0, 1.0, 0.5))
-    base = tl.where(mag < 2.0, 0, tl.where(mag < 4.0, 2, 4))
-    rne = tl.fma(tl.where(mag <= 6.0, mag, 6.0), scale, 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
-    code = base + rne
+    code = _e2m1_magnitude(tl.where(mag <= 6.0, mag, 6.0))
     return code + 8 * ((q < 0) & (code > 0)).to(tl.int32)
 
 

@@ -13,12 +13,21 @@ residual corrections give RN(x / d) (Markstein's theorem, for binary32 with FMA)
     q0 = x * y;  q1 = q0 + (x - d * q0) * y;  q = q1 + (x - d * q1) * y    (each ``a + b * c`` one FMA)
 The first correction makes q1 faithful, the second rounds it correctly; the residuals are exact. The
 theorem needs no overflow and no underflow:
-- a subnormal d (a tiny global scale) has no finite reciprocal: such blocks scale x and d by 2^64
-  first (exact), which leaves the quotient unchanged;
-- where q0 overflows, the correction would give NaN; q0 (+-inf, or NaN for a NaN x) is kept, which
-  is the quotient's value too;
+- a subnormal d has no finite reciprocal. d is at least 2^-9 times the global scale, so only a global
+  scale below 2^-117 makes one: there the kernel scales x and d by 2^64 (exact), which leaves the
+  quotient unchanged (elsewhere the factor is 1);
+- where the quotient overflows (or x is infinite), the corrections give NaN, and the code saturates
+  as the quotient's would (``_rn_codes``);
 - a quotient below 2^-126 may come out an ulp off, but every value below 0.25 rounds to e2m1 code 0,
   so the codes, which are all this kernel writes, do not change.
+
+The rest, per element: the e2m1 code is ``_e2m1_magnitude_bits`` of min(|q|, 6) (an exponent-indexed
+RNE, one FMA), x's sign is or-ed in with integer operations, and two codes pack into a byte. Per
+block, the e4m3 scale is rounded and decoded by the conversion instructions (``cvt`` e4m3x2, sm_89 and
+newer, which this kernel requires anyway), which round as ``_e4m3_code`` does. The loop body is 31.5
+SASS instructions per element (sm_90, Triton 3.6), against 39 for the same layout with the compares
+and selects of ``_e2m1_code`` and the written-out e4m3 rounding. The kernel is persistent along the
+rows, with the next tile's load issued before the current tile's arithmetic.
 """
 
 import triton
@@ -26,11 +35,11 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .nvfp4 import _e2m1_code, _e4m3_code, _e4m3_value, _finite_abs
+from .nvfp4 import _e2m1_magnitude_bits, _finite_abs
 
 FLT_MAX = gl.constexpr(3.4028234663852886e38)
-FLT_MIN = gl.constexpr(1.1754943508222875e-38)  # 2^-126, the smallest normal fp32
 TWO_64 = gl.constexpr(18446744073709551616.0)
+NO_LIFT = gl.constexpr(2.0**-117)  # global scales from here up give normal divisors d
 
 
 @triton.jit
@@ -38,9 +47,53 @@ def _div_rn(a, b):
     return tl.math.div_rn(a, b)
 
 
+@gluon.jit
+def _e4m3_code_cvt(r):
+    """``_e4m3_code`` by the conversion instruction (sm_89 and newer): fp32 r in [0, 448] or NaN -> the
+    e4m3fn code (int32), nearest even, subnormals included; NaN -> 0x7F."""
+    c = gl.inline_asm_elementwise(
+        "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, $1, $1; cvt.u32.u16 $0, t; }",
+        "=r,f", [r], dtype=gl.int32, is_pure=True, pack=1)
+    return gl.where(r == r, c & 0xFF, 0x7F)
+
+
+@gluon.jit
+def _e4m3_value_cvt(code):
+    """``_e4m3_value`` by the conversion instruction: e4m3fn codes (int32, 0-255) -> fp32, exactly."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .b16 t, lo, hi; .reg .b32 h; cvt.u16.u32 t, $1; cvt.rn.f16x2.e4m3x2 h, t; "
+        "mov.b32 {lo, hi}, h; cvt.f32.f16 $0, lo; }",
+        "=f,r", [code], dtype=gl.float32, is_pure=True, pack=1)
+
+
 @triton.jit
-def _fma(a, b, c):
-    return tl.fma(a, b, c)
+def _rn_codes(xs, x, nd, y, keep):
+    """e2m1 codes of q = RN(xs / d) in the low 4 bits of int32s (the bits above them arbitrary), given
+    nd = -d and y = RN(1 / d): q0 = xs * y and two corrections (each one FMA for the residual, whose
+    product by nd is exact, and one for the step).
+    Where the quotient overflows, or x is infinite, q0 or a residual is infinite and q comes out NaN;
+    the minimum with 6 (``min.f32`` returns the number) saturates it as the quotient's code would be.
+    The sign is x's (d > 0), and a NaN x, or a block whose scale underflowed (``keep`` false), gets
+    code 0, as in ``_e2m1_code``."""
+    q0 = xs * y
+    q1 = tl.fma(tl.fma(q0, nd, xs), y, q0)
+    q = tl.fma(tl.fma(q1, nd, xs), y, q1)
+    # the code is the low 4 bits of t (the rest of t is 0x4B400000, which the packing drops)
+    t = _e2m1_magnitude_bits(tl.minimum(tl.abs(q), 6.0))
+    t = t | ((x.to(tl.int32, bitcast=True) >> 28) & (t + 7) & 8)  # x's sign, where the code is not 0
+    return tl.where(keep & (x == x), t, 0)
+
+
+@gluon.jit
+def _load_tile(x, pid_m, pid_k, gi, R, K, stride_g, stride_r, stride_k,
+               BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, LX: gl.constexpr):
+    """Row tile pid_m, column tile pid_k of group gi of x as [BLOCK_M, BLOCK_K] in LX (each thread 16
+    consecutive elements); zeros past the tensor (and for a row tile past the last)."""
+    rx = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LX))
+    cx = pid_k * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, LX))
+    src = (x + gi.to(gl.int64) * stride_g + gl.expand_dims(rx.to(gl.int64) * stride_r, 1)
+           + gl.expand_dims(cx.to(gl.int64) * stride_k, 0))
+    return gl.load(src, mask=gl.expand_dims(rx < R, 1) & gl.expand_dims(cx < K, 0), other=0.0)
 
 
 @gluon.jit
@@ -50,56 +103,56 @@ def _quantize_rows_kernel(
     G_STRIDE,  # 1: gscale (G,) holds one global scale per group; 0: gscale[0] for all
     BLOCK_M: gl.constexpr, NB: gl.constexpr, TPW_B: gl.constexpr,
 ):
+    # Persistent along the rows: grid (P, column tiles, groups), and program p takes row tiles p, p + P,
+    # ... of its column tile. It loads the next tile's x before it quantizes the current one, so that
+    # its loads are in flight while it computes (one tile per program, each program's loads and its
+    # chain of per-block divisions would alternate, with nothing to overlap them).
     # [rows, blocks, bytes, nibbles]: a thread holds the 8 x 2 elements of a block, TPW_B threads of a
     # warp cover NB blocks of a row, the rest of the warp and the warps cover rows
     L4: gl.constexpr = gl.BlockedLayout([1, 1, 8, 2], [32 // TPW_B, TPW_B, 1, 1], [gl.num_warps(), 1, 1, 1],
                                         [3, 2, 1, 0])
     L3: gl.constexpr = gl.SliceLayout(3, L4)  # [rows, blocks, bytes]
     L2: gl.constexpr = gl.SliceLayout(2, L3)  # [rows, blocks]
-    pid_m, pid_k, gi = gl.program_id(0), gl.program_id(1), gl.program_id(2)
-    BLOCK_K: gl.constexpr = NB * 16
-
-    rows2 = pid_m * BLOCK_M + gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L2)), 1)
-    blk2 = pid_k * NB + gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(0, L2)), 0)
-    ok2 = (rows2 < R) & (blk2 < K // 16)  # K % 16 == 0: whole blocks are in or out
-    byte3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3))), 0), 1)
-    nib4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(
-        gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4)))), 0), 1), 2)
     # the load: a 2-D tile whose threads hold 16 consecutive elements (two 16-byte vectors for bf16),
     # viewed as the 4-D tile without moving data
     LX: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPW_B, TPW_B], [gl.num_warps(), 1], [1, 0])
-    rx = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LX))
-    cx = pid_k * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, LX))
-    src = (x + gi.to(gl.int64) * stride_g + gl.expand_dims(rx.to(gl.int64) * stride_r, 1)
-           + gl.expand_dims(cx.to(gl.int64) * stride_k, 0))
-    x2 = gl.load(src, mask=gl.expand_dims(rx < R, 1) & gl.expand_dims(cx < K, 0), other=0.0)
-    xt = gl.convert_layout(gl.reshape(x2.to(gl.float32), [BLOCK_M, NB, 8, 2]), L4, assert_trivial=True)
+    BLOCK_K: gl.constexpr = NB * 16
+    tiles_m = (R + BLOCK_M - 1) // BLOCK_M
+    pid, programs, pid_k, gi = gl.program_id(0), gl.num_programs(0), gl.program_id(1), gl.program_id(2)
     g = gl.load(gscale + gi * G_STRIDE)
+    lift = gl.where(g < NO_LIFT, TWO_64, 1.0)  # d >= 2^-126 where g >= NO_LIFT: no lift needed
+    blk2 = pid_k * NB + gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(0, L2)), 0)
+    byte3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3))), 0), 1)
+    nib4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(
+        gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4)))), 0), 1), 2)
+    r_off = gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L2)), 1)
 
-    # per block, once per thread
-    amax = gl.max(gl.max(_finite_abs(xt), axis=3), axis=2)  # [BLOCK_M, NB]
-    ratio = _div_rn(amax, gl.zeros_like(amax) + 6.0 * g)
-    ratio = gl.where(ratio > 448.0, 448.0, ratio)  # a NaN ratio stays NaN, as in torch
-    s_code = _e4m3_code(ratio)
-    denom = gl.where(ratio == ratio, _e4m3_value(s_code), ratio) * g
-    ok = denom > 0  # a scale that underflowed e4m3 (or a NaN one): zero codes
-    d = gl.where(ok, denom, 1.0)
-    lift = gl.where(d < FLT_MIN, TWO_64, 1.0)
-    d = d * lift
-    y = _div_rn(gl.zeros_like(d) + 1.0, d)
+    x_next = _load_tile(x, pid, pid_k, gi, R, K, stride_g, stride_r, stride_k, BLOCK_M, BLOCK_K, LX)
+    for pid_m in range(pid, tiles_m, programs):
+        x2 = x_next
+        x_next = _load_tile(x, pid_m + programs, pid_k, gi, R, K, stride_g, stride_r, stride_k, BLOCK_M, BLOCK_K, LX)
+        xt = gl.convert_layout(gl.reshape(x2.to(gl.float32), [BLOCK_M, NB, 8, 2]), L4, assert_trivial=True)
 
-    # per element: q = RN(x / d)
-    d4 = gl.expand_dims(gl.expand_dims(d, 2), 3)
-    y4 = gl.expand_dims(gl.expand_dims(y, 2), 3)
-    xs = xt * gl.expand_dims(gl.expand_dims(lift, 2), 3)
-    q0 = xs * y4
-    q1 = _fma(_fma(-q0, d4, xs), y4, q0)
-    q = _fma(_fma(-q1, d4, xs), y4, q1)
-    q = gl.where(gl.abs(q0) <= FLT_MAX, q, q0)
-    codes = gl.where(gl.expand_dims(gl.expand_dims(ok, 2), 3), _e2m1_code(q), 0)
-    packed = gl.sum(codes << (nib4 * 4), axis=3).to(gl.uint8)  # [BLOCK_M, NB, 8]: even element low
+        # per block, once per thread
+        amax = gl.max(gl.max(_finite_abs(xt), axis=3), axis=2)  # [BLOCK_M, NB]
+        ratio = _div_rn(amax, gl.zeros_like(amax) + 6.0 * g)
+        ratio = gl.where(ratio > 448.0, 448.0, ratio)  # a NaN ratio stays NaN, as in torch
+        s_code = _e4m3_code_cvt(ratio)
+        denom = gl.where(ratio == ratio, _e4m3_value_cvt(s_code), ratio) * g
+        ok = denom > 0  # a scale that underflowed e4m3 (or a NaN one): zero codes
+        d = gl.where(ok, denom, 1.0) * lift
+        y = _div_rn(gl.zeros_like(d) + 1.0, d)
 
-    out_rows2 = gi.to(gl.int64) * R + rows2
-    vdst = values + gl.expand_dims(out_rows2 * (K // 2) + blk2 * 8, 2) + byte3
-    gl.store(vdst, packed, mask=gl.expand_dims(ok2, 2))
-    gl.store(scales + out_rows2 * (K // 16) + blk2, s_code.to(gl.uint8), mask=ok2)
+        # per element: q = RN(x / d), then its code
+        d4 = gl.expand_dims(gl.expand_dims(d, 2), 3)
+        y4 = gl.expand_dims(gl.expand_dims(y, 2), 3)
+        keep4 = gl.expand_dims(gl.expand_dims(ok, 2), 3)
+        codes = _rn_codes(xt * lift, xt, -d4, y4, keep4)
+        packed = gl.sum(codes << (nib4 * 4), axis=3).to(gl.uint8)  # even element low; carries land above bit 7
+
+        rows2 = pid_m * BLOCK_M + r_off
+        ok2 = (rows2 < R) & (blk2 < K // 16)  # K % 16 == 0: whole blocks are in or out
+        out_rows2 = gi.to(gl.int64) * R + rows2
+        vdst = values + gl.expand_dims(out_rows2 * (K // 2) + blk2 * 8, 2) + byte3
+        gl.store(vdst, packed, mask=gl.expand_dims(ok2, 2))
+        gl.store(scales + out_rows2 * (K // 16) + blk2, s_code.to(gl.uint8), mask=ok2)
