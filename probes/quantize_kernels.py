@@ -36,6 +36,7 @@ def main():
     same = all(torch.equal(p.view(torch.uint8), q.view(torch.uint8)) for p, q in zip(a, b, strict=True))
     print("kernels bit-equal:", same)
     tiles(x, g, nbytes, copy, b)
+    swiglu_tiles(g, copy)
 
 
 def tiles(x, g, nbytes, copy, want):
@@ -79,6 +80,45 @@ def tiles(x, g, nbytes, copy, want):
         same = torch.equal(values, want[0].view(torch.uint8)) and torch.equal(scales, want[1].view(torch.uint8))
         ms = bench_ms(run)
         print(f"gluon tile {bm}x{nb * 16} {warps} warps {per_sm} programs/SM maxnreg {maxnreg}: {ms:.3f} ms "
+              f"{nbytes / ms / 1e6 / copy:.2f} of copy, bit-equal {same}")
+
+
+def swiglu_tiles(g, copy):
+    """The Gluon SwiGLU -> NVFP4 pass against the Triton one (98304 x 2 * 2880 bf16, each layout), and
+    its tile sweep on the interleaved8 layout, each checked bit for bit."""
+    import triton
+
+    from moekit import nvfp4_swiglu as ns
+    from moekit._kernels.nvfp4_gluon import _swiglu_quantize_rows_kernel
+
+    m, f = 24576 * 4, 2880
+    pre = torch.randn(m, 2 * f, device="cuda", dtype=torch.bfloat16)
+    nbytes = 2 * m * 2 * f + m * f // 2 + m * f // 16
+    for layout in ("interleaved", "halves", "interleaved8"):
+        for gluon in (False, True):
+            with moekit.options(gluon_quantize=gluon):
+                ms = bench_ms(lambda layout=layout: ns.swiglu_quantize_nvfp4(pre, g, gate_up_layout=layout))
+            print(f"swiglu_quantize {layout} {'gluon ' if gluon else 'triton'} {ms:.3f} ms "
+                  f"{nbytes / ms / 1e6 / copy:.2f} of copy")
+    with moekit.options(gluon_quantize=False):
+        want = ns.swiglu_quantize_nvfp4(pre, g, gate_up_layout="interleaved8")
+    values = torch.empty(m, f // 2, dtype=torch.uint8, device="cuda")
+    scales = torch.empty(m, f // 16, dtype=torch.uint8, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for bm, nb, warps, per_sm in ((64, 8, 16, 1), (64, 8, 16, 2), (64, 8, 16, 3), (64, 8, 8, 2), (64, 8, 8, 4),
+                                  (32, 8, 8, 4), (32, 8, 8, 8), (128, 8, 16, 1), (32, 8, 4, 8)):
+        tiles_f = triton.cdiv(f, 16 * nb)
+        programs = max(1, min(triton.cdiv(m, bm), sms * per_sm // tiles_f))
+
+        def run(bm=bm, nb=nb, warps=warps, programs=programs, tiles_f=tiles_f):
+            _swiglu_quantize_rows_kernel[(programs, tiles_f)](
+                pre, values, scales, g, m, f, pre.stride(0), ALPHA=1.702, LIMIT=7.0, OFFSET=1.0,
+                LAYOUT="interleaved8", BLOCK_M=bm, NB=nb, TPW_B=nb, num_warps=warps)
+        values.fill_(0xFF)
+        run()
+        same = torch.equal(values, want[0].view(torch.uint8)) and torch.equal(scales, want[1].view(torch.uint8))
+        ms = bench_ms(run)
+        print(f"swiglu gluon tile {bm}x{nb * 16} {warps} warps {per_sm} programs/SM: {ms:.3f} ms "
               f"{nbytes / ms / 1e6 / copy:.2f} of copy, bit-equal {same}")
 
 

@@ -191,13 +191,32 @@ def _close_to_ref(got, want):
 @gpu
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_swiglu_quantize_gpu(layout, variant):
+@pytest.mark.parametrize("gluon", [True, False], ids=["gluon", "triton"])
+def test_swiglu_quantize_gpu(layout, variant, gluon):
+    """Both kernels of the standalone pass (the Gluon one on Hopper and newer, the ``gluon_quantize``
+    option), bit for bit against the unfused path, on a row count and an F that leave partial tiles."""
     kw = VARIANTS[variant]
     pre = (torch.randn(4099, 2 * 2880, device=DEV) * 3).to(BF16)
     g = torch.tensor(0.002, device=DEV)
-    got = ns.swiglu_quantize_nvfp4(pre, g, gate_up_layout=layout, **kw)
+    with moekit.options(gluon_quantize=gluon):
+        assert moekit.config.use_gluon_quantize(pre.device) == (gluon and torch.cuda.get_device_capability()[0] >= 9)
+        got = ns.swiglu_quantize_nvfp4(pre, g, gate_up_layout=layout, **kw)
     _assert_bit_equal(got, _unfused(pre, g, layout, kw))
     _close_to_ref(got, ns.swiglu_quantize_nvfp4_ref(pre, g, gate_up_layout=layout, **kw))
+
+
+@gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_swiglu_quantize_gpu_odd_shapes_and_dtypes(layout):
+    """The Gluon pass on a few rows and F = 48 (a partial block row per tile), fp32 and fp16 pre, and
+    rows strided wider than 2F: bit for bit against the Triton pass."""
+    g = torch.tensor(0.003, device=DEV)
+    base = torch.randn(37, 160, device=DEV) * 3
+    for pre in (base[:, :96], base[:, :96].half(), base.to(BF16)[:, :96], base.to(BF16)[:1, :32]):
+        got = ns.swiglu_quantize_nvfp4(pre, g, gate_up_layout=layout)
+        with moekit.options(gluon_quantize=False):
+            want = ns.swiglu_quantize_nvfp4(pre, g, gate_up_layout=layout)
+        _assert_bit_equal(got, want)
 
 
 @gpu

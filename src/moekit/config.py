@@ -65,8 +65,9 @@ class Options:
       waits for them (its tiles are assigned statically). Margins of 16 and 32 SMs did not pay on
       two H200s (docs/design.md, section 15).
     - ``gluon_quantize`` (``MOEKIT_GLUON_QUANTIZE``, on): NVFP4 quantization with 1x16 blocks rounded to
-      nearest runs the Gluon kernel on Hopper and newer (each thread holds whole blocks); off, the
-      Triton kernel. The bits are the same (docs/design.md, section 14).
+      nearest, and the standalone SwiGLU -> NVFP4 pass, run the Gluon kernels on Hopper and newer (each
+      thread holds whole blocks); off, the Triton kernels. The bits are the same (docs/design.md,
+      section 14).
     - ``poison`` (no variable; a test aid): every kernel output starts as NaN (-1 for integers), so an
       unwritten element shows.
     """
@@ -214,9 +215,10 @@ def use_warp_specialized(device: torch.device) -> bool:
 
 
 def use_gluon_quantize(device: torch.device) -> bool:
-    """The Gluon NVFP4 quantize kernel (``_kernels/nvfp4_gluon.py``, 1x16 blocks rounded to nearest) on
-    Hopper and newer GPUs (measured on the H100 only), unless the ``gluon_quantize`` option is off; the
-    Triton kernel everywhere else. Both write the same bits."""
+    """The Gluon NVFP4 kernels (``_kernels/nvfp4_gluon.py``: quantize with 1x16 blocks rounded to nearest,
+    and the standalone SwiGLU -> NVFP4 pass) on Hopper and newer GPUs (measured on the H100 only),
+    unless the ``gluon_quantize`` option is off; the Triton kernels everywhere else. Both write the same
+    bits."""
     if not _options.gluon_quantize or device.type != "cuda" or not _has_gluon():
         return False
     return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9

@@ -20,7 +20,8 @@ Gate/up layouts (``gate_up_layout``): ``"interleaved"`` (gate, up = pre[:, 0::2]
 
 Public ops (forward only: NVFP4 h feeds a down-projection that is not differentiated through it),
 each with its ``*_ref`` twin; on CUDA (and under ``TRITON_INTERPRET=1``) they run the kernels of
-``_kernels/nvfp4_swiglu.py`` with no host sync, CUDA-graph safe (the global scale is a device tensor):
+``_kernels/nvfp4_swiglu.py`` (the standalone pass on Hopper and newer: ``_kernels/nvfp4_gluon.py``,
+the ``gluon_quantize`` option) with no host sync, CUDA-graph safe (the global scale is a device tensor):
 - ``swiglu_quantize_nvfp4(pre, global_scale, ...)``: a standalone (M, 2F) pre-activation;
 - ``grouped_mm_swiglu_nvfp4(x, w_up, offs, global_scale, ...)``: the up-projection GEMM with the
   SwiGLU -> NVFP4 epilogue.
@@ -40,6 +41,10 @@ from .nvfp4 import BLOCK, _describe, _device_scale, _run, deinterleave8_ref, qua
 from .reference import grouped_mm_swiglu_ref
 
 LAYOUTS = ("interleaved", "halves", "interleaved8")
+# The Gluon SwiGLU -> NVFP4 kernel's tile (rows, 16-element blocks of h per row, warps) and its
+# persistent programs per SM (probes/quantize_kernels.py, bench/results/h100/nvfp4_quantize.md)
+SWIGLU_QUANTIZE_TILE = (64, 8, 16)
+SWIGLU_QUANTIZE_PROGRAMS_PER_SM = 3
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # --------------------------------------------------------------------------------------------------
@@ -145,6 +150,19 @@ def swiglu_quantize_nvfp4_fwd(pre: torch.Tensor, gscale: torch.Tensor, alpha: fl
     values = config.empty((m, f // 2), dtype=torch.uint8, device=pre.device)
     scales = config.empty((m, f // BLOCK), dtype=torch.uint8, device=pre.device)
     if values.numel() == 0:
+        return values, scales
+    if config.use_gluon_quantize(pre.device):
+        from ._kernels.nvfp4_gluon import _swiglu_quantize_rows_kernel
+
+        bm, nb, warps = SWIGLU_QUANTIZE_TILE
+        tiles_f = triton.cdiv(f, 16 * nb)
+        row_programs = max(1, min(triton.cdiv(m, bm), config.num_sms(pre.device) * SWIGLU_QUANTIZE_PROGRAMS_PER_SM
+                                  // tiles_f))
+        _swiglu_quantize_rows_kernel[(row_programs, tiles_f)](
+            pre, values, scales, gscale, m, f, pre.stride(0),
+            **_swiglu_constexprs(alpha, limit, linear_offset, layout),
+            BLOCK_M=bm, NB=nb, TPW_B=nb, num_warps=warps,
+        )
         return values, scales
     bm, bf = (16, 32) if config.is_interpreting() else (32, 128)
     bf = min(bf, max(BLOCK, triton.next_power_of_2(f)))

@@ -35,6 +35,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from .epilogue import swiglu_apply
 from .nvfp4 import _e2m1_magnitude_bits, _finite_abs
 
 FLT_MAX = gl.constexpr(3.4028234663852886e38)
@@ -97,6 +98,37 @@ def _load_tile(x, pid_m, pid_k, gi, R, K, stride_g, stride_r, stride_k,
 
 
 @gluon.jit
+def _quantize_blocks(xt, g, lift, nib4):
+    """One tile [rows, blocks, 8, 2] fp32 (a thread holding whole blocks), global scale g, the lift
+    factor (2^64 where g < NO_LIFT, else 1) -> (packed codes [rows, blocks, 8] uint8, the even element
+    low; e4m3 scale codes [rows, blocks] int32)."""
+    # per block, once per thread
+    amax = gl.max(gl.max(_finite_abs(xt), axis=3), axis=2)  # [rows, blocks]
+    ratio = _div_rn(amax, gl.zeros_like(amax) + 6.0 * g)
+    ratio = gl.where(ratio > 448.0, 448.0, ratio)  # a NaN ratio stays NaN, as in torch
+    s_code = _e4m3_code_cvt(ratio)
+    denom = gl.where(ratio == ratio, _e4m3_value_cvt(s_code), ratio) * g
+    ok = denom > 0  # a scale that underflowed e4m3 (or a NaN one): zero codes
+    d = gl.where(ok, denom, 1.0) * lift
+    y = _div_rn(gl.zeros_like(d) + 1.0, d)
+    # per element: q = RN(x / d), then its code
+    d4 = gl.expand_dims(gl.expand_dims(d, 2), 3)
+    y4 = gl.expand_dims(gl.expand_dims(y, 2), 3)
+    keep4 = gl.expand_dims(gl.expand_dims(ok, 2), 3)
+    codes = _rn_codes(xt * lift, xt, -d4, y4, keep4)
+    return gl.sum(codes << (nib4 * 4), axis=3).to(gl.uint8), s_code  # the sum's carries land above bit 7
+
+
+@gluon.jit
+def _store_blocks(values, scales, packed, s_code, out_rows2, blk2, ok2, K, byte3):
+    """Store a tile's packed codes and scale codes: rows out_rows2 [rows, 1] (int64), 16-element blocks
+    blk2 [1, blocks] of a (.., K) tensor, where ok2; values (.., K / 2), scales (.., K / 16), uint8."""
+    vdst = values + gl.expand_dims(out_rows2 * (K // 2) + blk2 * 8, 2) + byte3
+    gl.store(vdst, packed, mask=gl.expand_dims(ok2, 2))
+    gl.store(scales + out_rows2 * (K // 16) + blk2, s_code.to(gl.uint8), mask=ok2)
+
+
+@gluon.jit
 def _quantize_rows_kernel(
     x, values, scales, gscale,  # as _quantize_kernel's (1x16 blocks, round to nearest)
     R, K, stride_g, stride_r, stride_k,
@@ -133,26 +165,89 @@ def _quantize_rows_kernel(
         x_next = _load_tile(x, pid_m + programs, pid_k, gi, R, K, stride_g, stride_r, stride_k, BLOCK_M, BLOCK_K, LX)
         xt = gl.convert_layout(gl.reshape(x2.to(gl.float32), [BLOCK_M, NB, 8, 2]), L4, assert_trivial=True)
 
-        # per block, once per thread
-        amax = gl.max(gl.max(_finite_abs(xt), axis=3), axis=2)  # [BLOCK_M, NB]
-        ratio = _div_rn(amax, gl.zeros_like(amax) + 6.0 * g)
-        ratio = gl.where(ratio > 448.0, 448.0, ratio)  # a NaN ratio stays NaN, as in torch
-        s_code = _e4m3_code_cvt(ratio)
-        denom = gl.where(ratio == ratio, _e4m3_value_cvt(s_code), ratio) * g
-        ok = denom > 0  # a scale that underflowed e4m3 (or a NaN one): zero codes
-        d = gl.where(ok, denom, 1.0) * lift
-        y = _div_rn(gl.zeros_like(d) + 1.0, d)
-
-        # per element: q = RN(x / d), then its code
-        d4 = gl.expand_dims(gl.expand_dims(d, 2), 3)
-        y4 = gl.expand_dims(gl.expand_dims(y, 2), 3)
-        keep4 = gl.expand_dims(gl.expand_dims(ok, 2), 3)
-        codes = _rn_codes(xt * lift, xt, -d4, y4, keep4)
-        packed = gl.sum(codes << (nib4 * 4), axis=3).to(gl.uint8)  # even element low; carries land above bit 7
-
+        packed, s_code = _quantize_blocks(xt, g, lift, nib4)
         rows2 = pid_m * BLOCK_M + r_off
         ok2 = (rows2 < R) & (blk2 < K // 16)  # K % 16 == 0: whole blocks are in or out
-        out_rows2 = gi.to(gl.int64) * R + rows2
-        vdst = values + gl.expand_dims(out_rows2 * (K // 2) + blk2 * 8, 2) + byte3
-        gl.store(vdst, packed, mask=gl.expand_dims(ok2, 2))
-        gl.store(scales + out_rows2 * (K // 16) + blk2, s_code.to(gl.uint8), mask=ok2)
+        _store_blocks(values, scales, packed, s_code, gi.to(gl.int64) * R + rows2, blk2, ok2, K, byte3)
+
+
+@gluon.jit
+def _load_gate_up_raw(pre, pid_m, pid_f, M, F, stride_m, BLOCK_M: gl.constexpr, BLOCK_F: gl.constexpr,
+                      LAYOUT: gl.constexpr, LX: gl.constexpr, LX2: gl.constexpr):
+    """The pre-activation behind h columns [pid_f * BLOCK_F, +BLOCK_F) of row tile pid_m, as loaded:
+    "halves": (gate, up), each [BLOCK_M, BLOCK_F] in LX; the interleaved layouts: ([BLOCK_M,
+    2 * BLOCK_F] in LX2, the same tensor again), a thread's 32 consecutive elements. Zeros past the
+    tensor."""
+    if LAYOUT == "halves":
+        r = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LX))
+        c = pid_f * BLOCK_F + gl.arange(0, BLOCK_F, layout=gl.SliceLayout(0, LX))
+        src = pre + gl.expand_dims(r.to(gl.int64) * stride_m, 1) + gl.expand_dims(c, 0)
+        mask = gl.expand_dims(r < M, 1) & gl.expand_dims(c < F, 0)
+        a = gl.load(src, mask=mask, other=0.0)
+        b = gl.load(src + F, mask=mask, other=0.0)
+    else:
+        r = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LX2))
+        c = 2 * pid_f * BLOCK_F + gl.arange(0, 2 * BLOCK_F, layout=gl.SliceLayout(0, LX2))
+        src = pre + gl.expand_dims(r.to(gl.int64) * stride_m, 1) + gl.expand_dims(c, 0)
+        a = gl.load(src, mask=gl.expand_dims(r < M, 1) & gl.expand_dims(c < 2 * F, 0), other=0.0)
+        b = a
+    return a, b
+
+
+@gluon.jit
+def _gate_up_blocks(a, b, BLOCK_M: gl.constexpr, NB: gl.constexpr, LAYOUT: gl.constexpr, L4: gl.constexpr):
+    """``_load_gate_up_raw``'s tiles -> gate and up as [BLOCK_M, NB, 8, 2] fp32 in L4 (h column
+    16 * block + 2 * byte + nibble), moved within each thread only."""
+    if LAYOUT == "halves":
+        gate = gl.reshape(a.to(gl.float32), [BLOCK_M, NB, 8, 2])
+        up = gl.reshape(b.to(gl.float32), [BLOCK_M, NB, 8, 2])
+    elif LAYOUT == "interleaved":  # g0, u0, g1, u1, ...
+        gate, up = gl.split(gl.reshape(a.to(gl.float32), [BLOCK_M, NB, 8, 2, 2]))
+    else:  # interleaved8: per block, gate 0-7, up 0-7, gate 8-15, up 8-15
+        runs = gl.permute(gl.reshape(a.to(gl.float32), [BLOCK_M, NB, 2, 2, 8]), [0, 1, 2, 4, 3])
+        gate, up = gl.split(runs)  # [BLOCK_M, NB, 2, 8] each: (run, element of the run)
+        gate = gl.reshape(gate, [BLOCK_M, NB, 8, 2])
+        up = gl.reshape(up, [BLOCK_M, NB, 8, 2])
+    return gl.convert_layout(gate, L4), gl.convert_layout(up, L4)
+
+
+@gluon.jit
+def _swiglu_quantize_rows_kernel(
+    pre, values, scales, gscale,  # as _swiglu_quantize_kernel's
+    M, F, stride_pre_m,
+    ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr, LAYOUT: gl.constexpr,
+    BLOCK_M: gl.constexpr, NB: gl.constexpr, TPW_B: gl.constexpr,
+):
+    # ``_swiglu_quantize_kernel``'s bytes (h = SwiGLU(pre) rounded to pre's dtype, then quantized with
+    # 1x16 blocks) with ``_quantize_rows_kernel``'s layout and loop: grid (P, column tiles of h),
+    # persistent along the rows, the next tile's pre-activation loaded before the current tile's
+    # arithmetic. A thread loads the 32 (interleaved layouts) or 2 x 16 (halves) pre-activation
+    # elements behind one 16-element block of h.
+    L4: gl.constexpr = gl.BlockedLayout([1, 1, 8, 2], [32 // TPW_B, TPW_B, 1, 1], [gl.num_warps(), 1, 1, 1],
+                                        [3, 2, 1, 0])
+    L3: gl.constexpr = gl.SliceLayout(3, L4)
+    L2: gl.constexpr = gl.SliceLayout(2, L3)
+    LX: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPW_B, TPW_B], [gl.num_warps(), 1], [1, 0])
+    LX2: gl.constexpr = gl.BlockedLayout([1, 32], [32 // TPW_B, TPW_B], [gl.num_warps(), 1], [1, 0])
+    BLOCK_F: gl.constexpr = NB * 16
+    tiles_m = (M + BLOCK_M - 1) // BLOCK_M
+    pid, programs, pid_f = gl.program_id(0), gl.num_programs(0), gl.program_id(1)
+    g = gl.load(gscale)
+    lift = gl.where(g < NO_LIFT, TWO_64, 1.0)
+    blk2 = pid_f * NB + gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(0, L2)), 0)
+    byte3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3))), 0), 1)
+    nib4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(
+        gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4)))), 0), 1), 2)
+    r_off = gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L2)), 1)
+
+    a_next, b_next = _load_gate_up_raw(pre, pid, pid_f, M, F, stride_pre_m, BLOCK_M, BLOCK_F, LAYOUT, LX, LX2)
+    for pid_m in range(pid, tiles_m, programs):
+        a, b = a_next, b_next
+        a_next, b_next = _load_gate_up_raw(pre, pid_m + programs, pid_f, M, F, stride_pre_m, BLOCK_M, BLOCK_F,
+                                           LAYOUT, LX, LX2)
+        gate, up = _gate_up_blocks(a, b, BLOCK_M, NB, LAYOUT, L4)
+        h = swiglu_apply(gate, up, ALPHA, LIMIT, OFFSET).to(pre.dtype.element_ty).to(gl.float32)
+        packed, s_code = _quantize_blocks(h, g, lift, nib4)
+        rows2 = pid_m * BLOCK_M + r_off
+        ok2 = (rows2 < M) & (blk2 < F // 16)
+        _store_blocks(values, scales, packed, s_code, rows2.to(gl.int64), blk2, ok2, F, byte3)
