@@ -14,8 +14,8 @@ residual corrections give RN(x / d) (Markstein's theorem, for binary32 with FMA)
 The first correction makes q1 faithful, the second rounds it correctly; the residuals are exact. The
 theorem needs no overflow and no underflow:
 - a subnormal d has no finite reciprocal. d is at least 2^-9 times the global scale, so only a global
-  scale below 2^-117 makes one: there the kernel scales x and d by 2^64 (exact), which leaves the
-  quotient unchanged (elsewhere the factor is 1);
+  scale below 2^-117 makes one: programs with such a scale run a copy of the loop that scales x and d
+  by 2^64 (exact), which leaves the quotient unchanged; the others skip that multiply;
 - where the quotient overflows (or x is infinite), the corrections give NaN, and the code saturates
   as the quotient's would (``_rn_codes``);
 - a quotient below 2^-126 may come out an ulp off, but every value below 0.25 rounds to e2m1 code 0,
@@ -24,9 +24,9 @@ theorem needs no overflow and no underflow:
 The rest, per element: the e2m1 code is ``_e2m1_magnitude_bits`` of min(|q|, 6) (an exponent-indexed
 RNE, one FMA), x's sign is or-ed in with integer operations, and two codes pack into a byte. Per
 block, the e4m3 scale is rounded and decoded by the conversion instructions (``cvt`` e4m3x2, sm_89 and
-newer, which this kernel requires anyway), which round as ``_e4m3_code`` does. The loop body is 31.5
+newer, which this kernel requires anyway), which round as ``_e4m3_code`` does. The loop body is 29
 SASS instructions per element (sm_90, Triton 3.6), against 39 for the same layout with the compares
-and selects of ``_e2m1_code`` and the written-out e4m3 rounding. The kernel is persistent along the
+and selects of ``_e2m1_code``, the written-out e4m3 rounding and the lift's multiply. The kernel is persistent along the
 rows, with the next tile's load issued before the current tile's arithmetic.
 """
 
@@ -98,10 +98,10 @@ def _load_tile(x, pid_m, pid_k, gi, R, K, stride_g, stride_r, stride_k,
 
 
 @gluon.jit
-def _quantize_blocks(xt, g, lift, nib4):
-    """One tile [rows, blocks, 8, 2] fp32 (a thread holding whole blocks), global scale g, the lift
-    factor (2^64 where g < NO_LIFT, else 1) -> (packed codes [rows, blocks, 8] uint8, the even element
-    low; e4m3 scale codes [rows, blocks] int32)."""
+def _quantize_blocks(xt, g, nib4, LIFT: gl.constexpr):
+    """One tile [rows, blocks, 8, 2] fp32 (a thread holding whole blocks) and its global scale g ->
+    (packed codes [rows, blocks, 8] uint8, the even element low; e4m3 scale codes [rows, blocks]
+    int32). ``LIFT``: x and d are scaled by 2^64 first (for g < NO_LIFT, where d can be subnormal)."""
     # per block, once per thread
     amax = gl.max(gl.max(_finite_abs(xt), axis=3), axis=2)  # [rows, blocks]
     ratio = _div_rn(amax, gl.zeros_like(amax) + 6.0 * g)
@@ -109,13 +109,18 @@ def _quantize_blocks(xt, g, lift, nib4):
     s_code = _e4m3_code_cvt(ratio)
     denom = gl.where(ratio == ratio, _e4m3_value_cvt(s_code), ratio) * g
     ok = denom > 0  # a scale that underflowed e4m3 (or a NaN one): zero codes
-    d = gl.where(ok, denom, 1.0) * lift
+    d = gl.where(ok, denom, 1.0)
+    if LIFT:
+        d = d * TWO_64
     y = _div_rn(gl.zeros_like(d) + 1.0, d)
     # per element: q = RN(x / d), then its code
     d4 = gl.expand_dims(gl.expand_dims(d, 2), 3)
     y4 = gl.expand_dims(gl.expand_dims(y, 2), 3)
     keep4 = gl.expand_dims(gl.expand_dims(ok, 2), 3)
-    codes = _rn_codes(xt * lift, xt, -d4, y4, keep4)
+    if LIFT:
+        codes = _rn_codes(xt * TWO_64, xt, -d4, y4, keep4)
+    else:
+        codes = _rn_codes(xt, xt, -d4, y4, keep4)
     return gl.sum(codes << (nib4 * 4), axis=3).to(gl.uint8), s_code  # the sum's carries land above bit 7
 
 
@@ -143,16 +148,27 @@ def _quantize_rows_kernel(
     # warp cover NB blocks of a row, the rest of the warp and the warps cover rows
     L4: gl.constexpr = gl.BlockedLayout([1, 1, 8, 2], [32 // TPW_B, TPW_B, 1, 1], [gl.num_warps(), 1, 1, 1],
                                         [3, 2, 1, 0])
-    L3: gl.constexpr = gl.SliceLayout(3, L4)  # [rows, blocks, bytes]
-    L2: gl.constexpr = gl.SliceLayout(2, L3)  # [rows, blocks]
     # the load: a 2-D tile whose threads hold 16 consecutive elements (two 16-byte vectors for bf16),
     # viewed as the 4-D tile without moving data
     LX: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPW_B, TPW_B], [gl.num_warps(), 1], [1, 0])
-    BLOCK_K: gl.constexpr = NB * 16
-    tiles_m = (R + BLOCK_M - 1) // BLOCK_M
     pid, programs, pid_k, gi = gl.program_id(0), gl.num_programs(0), gl.program_id(1), gl.program_id(2)
     g = gl.load(gscale + gi * G_STRIDE)
-    lift = gl.where(g < NO_LIFT, TWO_64, 1.0)  # d >= 2^-126 where g >= NO_LIFT: no lift needed
+    if g >= NO_LIFT:  # (a loop per case: the common one without the lift's multiply per element)
+        _quantize_rows_loop(x, values, scales, g, R, K, stride_g, stride_r, stride_k, pid, programs, pid_k, gi,
+                            BLOCK_M, NB, L4, LX, False)
+    else:
+        _quantize_rows_loop(x, values, scales, g, R, K, stride_g, stride_r, stride_k, pid, programs, pid_k, gi,
+                            BLOCK_M, NB, L4, LX, True)
+
+
+@gluon.jit
+def _quantize_rows_loop(x, values, scales, g, R, K, stride_g, stride_r, stride_k, pid, programs, pid_k, gi,
+                        BLOCK_M: gl.constexpr, NB: gl.constexpr, L4: gl.constexpr, LX: gl.constexpr,
+                        LIFT: gl.constexpr):
+    L3: gl.constexpr = gl.SliceLayout(3, L4)  # [rows, blocks, bytes]
+    L2: gl.constexpr = gl.SliceLayout(2, L3)  # [rows, blocks]
+    BLOCK_K: gl.constexpr = NB * 16
+    tiles_m = (R + BLOCK_M - 1) // BLOCK_M
     blk2 = pid_k * NB + gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(0, L2)), 0)
     byte3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3))), 0), 1)
     nib4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(
@@ -164,8 +180,7 @@ def _quantize_rows_kernel(
         x2 = x_next
         x_next = _load_tile(x, pid_m + programs, pid_k, gi, R, K, stride_g, stride_r, stride_k, BLOCK_M, BLOCK_K, LX)
         xt = gl.convert_layout(gl.reshape(x2.to(gl.float32), [BLOCK_M, NB, 8, 2]), L4, assert_trivial=True)
-
-        packed, s_code = _quantize_blocks(xt, g, lift, nib4)
+        packed, s_code = _quantize_blocks(xt, g, nib4, LIFT)
         rows2 = pid_m * BLOCK_M + r_off
         ok2 = (rows2 < R) & (blk2 < K // 16)  # K % 16 == 0: whole blocks are in or out
         _store_blocks(values, scales, packed, s_code, gi.to(gl.int64) * R + rows2, blk2, ok2, K, byte3)
@@ -225,15 +240,27 @@ def _swiglu_quantize_rows_kernel(
     # elements behind one 16-element block of h.
     L4: gl.constexpr = gl.BlockedLayout([1, 1, 8, 2], [32 // TPW_B, TPW_B, 1, 1], [gl.num_warps(), 1, 1, 1],
                                         [3, 2, 1, 0])
-    L3: gl.constexpr = gl.SliceLayout(3, L4)
-    L2: gl.constexpr = gl.SliceLayout(2, L3)
     LX: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPW_B, TPW_B], [gl.num_warps(), 1], [1, 0])
     LX2: gl.constexpr = gl.BlockedLayout([1, 32], [32 // TPW_B, TPW_B], [gl.num_warps(), 1], [1, 0])
-    BLOCK_F: gl.constexpr = NB * 16
-    tiles_m = (M + BLOCK_M - 1) // BLOCK_M
     pid, programs, pid_f = gl.program_id(0), gl.num_programs(0), gl.program_id(1)
     g = gl.load(gscale)
-    lift = gl.where(g < NO_LIFT, TWO_64, 1.0)
+    if g >= NO_LIFT:
+        _swiglu_quantize_loop(pre, values, scales, g, M, F, stride_pre_m, pid, programs, pid_f, ALPHA, LIMIT,
+                              OFFSET, LAYOUT, BLOCK_M, NB, L4, LX, LX2, False)
+    else:
+        _swiglu_quantize_loop(pre, values, scales, g, M, F, stride_pre_m, pid, programs, pid_f, ALPHA, LIMIT,
+                              OFFSET, LAYOUT, BLOCK_M, NB, L4, LX, LX2, True)
+
+
+@gluon.jit
+def _swiglu_quantize_loop(pre, values, scales, g, M, F, stride_pre_m, pid, programs, pid_f,
+                          ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr, LAYOUT: gl.constexpr,
+                          BLOCK_M: gl.constexpr, NB: gl.constexpr, L4: gl.constexpr, LX: gl.constexpr,
+                          LX2: gl.constexpr, LIFT: gl.constexpr):
+    L3: gl.constexpr = gl.SliceLayout(3, L4)
+    L2: gl.constexpr = gl.SliceLayout(2, L3)
+    BLOCK_F: gl.constexpr = NB * 16
+    tiles_m = (M + BLOCK_M - 1) // BLOCK_M
     blk2 = pid_f * NB + gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(0, L2)), 0)
     byte3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3))), 0), 1)
     nib4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(
@@ -247,7 +274,7 @@ def _swiglu_quantize_rows_kernel(
                                            LAYOUT, LX, LX2)
         gate, up = _gate_up_blocks(a, b, BLOCK_M, NB, LAYOUT, L4)
         h = swiglu_apply(gate, up, ALPHA, LIMIT, OFFSET).to(pre.dtype.element_ty).to(gl.float32)
-        packed, s_code = _quantize_blocks(h, g, lift, nib4)
+        packed, s_code = _quantize_blocks(h, g, nib4, LIFT)
         rows2 = pid_m * BLOCK_M + r_off
         ok2 = (rows2 < M) & (blk2 < F // 16)
         _store_blocks(values, scales, packed, s_code, rows2.to(gl.int64), blk2, ok2, F, byte3)
