@@ -230,6 +230,27 @@ def test_grouped_mm_swiglu_nvfp4_gpu(layout):
         _check_gemm(x, w, offs, bias, g, layout, VARIANTS["gpt-oss"])
 
 
+@gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_grouped_mm_swiglu_nvfp4_ws_gpu(variant):
+    """The warp-specialized up-projection with the SwiGLU -> NVFP4 epilogue (interleaved, bf16) on
+    Hopper: bit for bit against ``nvfp4.quantize`` of the warp-specialized bf16 up-projection's h, with
+    empty groups, group ends inside row tiles, rows past offs[-1], a partial last column tile
+    (2F = 1440 = 5 x 256 + 160), and an ordinary and an fp32-subnormal-divisor global scale."""
+    from moekit.hopper import ws_swiglu_nvfp4_ok
+
+    counts = torch.randint(0, 300, (8,)).tolist()
+    counts[2], counts[5] = 0, 0
+    x, w, bias, offs = _gemm_inputs(counts, 77, 512, 720, device=DEV)
+    if not ws_swiglu_nvfp4_ok(x, w):
+        pytest.skip("needs the warp-specialized Hopper kernels")
+    for g in (0.01, 2.0**-140):
+        values, scales, _ = _check_gemm(x, w, offs, bias, torch.tensor(g, device=DEV), "interleaved",
+                                        VARIANTS[variant])
+        tail = slice(int(offs[-1]), None)
+        assert not values[tail].view(torch.uint8).any() and not scales[tail].view(torch.uint8).any()
+
+
 def _every_op(pre, x, w, bias, offs, g):
     return [*ns.swiglu_quantize_nvfp4(pre, g, gate_up_layout="interleaved8"),
             *ns.grouped_mm_swiglu_nvfp4(x, w, offs, g, bias=bias)]

@@ -128,10 +128,48 @@ def ws_gemm(a, b, offs, c, *, epilogue: Epilogue = Epilogue.PLAIN, bias=None, ou
     hk._grouped_mm_ws_kernel[(programs,)](
         a_desc, b_desc, c_desc,
         c_arg, c_arg.stride(0), out2, out2.stride(0),
-        bias if bias is not None else c, bias.stride(0) if bias is not None else 0, table,
+        bias if bias is not None else c, bias.stride(0) if bias is not None else 0, table, c,
         n, k, HAS_BIAS=bias is not None, EPILOGUE=int(epilogue), num_warps=4, **common,
     )
     return c
+
+
+def ws_swiglu_nvfp4_ok(a, b) -> bool:
+    """Whether the up-projection a (M, D) @ b (E, D, 2F), interleaved gate/up columns, takes the
+    warp-specialized kernel with the SwiGLU -> NVFP4 epilogue (``ws_swiglu_nvfp4``)."""
+    return ws_ok(a, b)
+
+
+@functools.cache
+def _staging_tile(device: torch.device) -> torch.Tensor:
+    """A bf16 tile of the epilogue buffer's shape: the descriptor that sizes the shared-memory staging
+    of a kernel whose output leaves by pointer stores (never read or written through)."""
+    return torch.zeros(WS_TILE[0] // 2, WS_TILE[1], dtype=torch.bfloat16, device=device)
+
+
+def ws_swiglu_nvfp4(a, b, offs, values, scales, gscale, *, bias=None, spec=None):
+    """The up-projection with SwiGLU and NVFP4 quantization of h fused (``Epilogue.SWIGLU_NVFP4``):
+    a (M, D) bf16 row-major, b (E, D, 2F) with a unit stride along D or 2F, interleaved (gate, linear)
+    columns, bias (E, 2F) or None, gscale (1,) fp32 -> values (M, F / 2) and scales (M, F / 16), uint8,
+    contiguous: the bytes of ``nvfp4.quantize(h, g)`` for ``ws_gemm(..., Epilogue.SWIGLU)``'s h. Rows
+    past offs[-1] get zero codes and zero scales. Check ``ws_swiglu_nvfp4_ok`` first."""
+    from ._kernels import hopper_gemm as hk  # Gluon: imported only where it runs
+
+    k, n = a.shape[1], b.shape[2]
+    bm, bn, _ = WS_TILE
+    a_desc, b_desc, table, programs = ws_rows_setup(a, b, offs, values, scales, box_n=bn)
+    staging = _staging_tile(a.device)
+    c_desc = ws_desc(staging, list(staging.shape), [staging.stride(0), 1], [bm // 2, bn])
+    sw = spec.constexprs() if spec is not None else dict(ALPHA=1.0, LIMIT=None, OFFSET=0.0)
+    hk._grouped_mm_ws_kernel[(programs,)](
+        a_desc, b_desc, c_desc,
+        values, values.stride(0), scales, scales.stride(0),
+        bias if bias is not None else values, bias.stride(0) if bias is not None else 0, table, gscale,
+        n, k, HAS_BIAS=bias is not None, EPILOGUE=int(Epilogue.SWIGLU_NVFP4), num_warps=4,
+        NUM_SMS=config.num_sms(a.device), GROUP_M=WS_GROUP_M, STAGES=WS_STAGES, B_TRANS=b.stride(2) != 1,
+        ALPHA=sw["ALPHA"], LIMIT=sw["LIMIT"], OFFSET=sw["OFFSET"], maxnreg=168,
+    )
+    return values, scales
 
 
 @functools.cache

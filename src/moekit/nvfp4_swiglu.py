@@ -20,8 +20,10 @@ Gate/up layouts (``gate_up_layout``): ``"interleaved"`` (gate, up = pre[:, 0::2]
 
 Public ops (forward only: NVFP4 h feeds a down-projection that is not differentiated through it),
 each with its ``*_ref`` twin; on CUDA (and under ``TRITON_INTERPRET=1``) they run the kernels of
-``_kernels/nvfp4_swiglu.py`` (the standalone pass on Hopper and newer: ``_kernels/nvfp4_gluon.py``,
-the ``gluon_quantize`` option) with no host sync, CUDA-graph safe (the global scale is a device tensor):
+``_kernels/nvfp4_swiglu.py`` with no host sync, CUDA-graph safe (the global scale is a device tensor).
+On Hopper the standalone pass runs ``_kernels/nvfp4_gluon.py`` (the ``gluon_quantize`` option), and
+the up-projection with interleaved bf16 columns runs the warp-specialized kernel with the
+``SWIGLU_NVFP4`` epilogue (``_kernels/hopper_gemm.py``, the ``warp_specialized`` option):
 - ``swiglu_quantize_nvfp4(pre, global_scale, ...)``: a standalone (M, 2F) pre-activation;
 - ``grouped_mm_swiglu_nvfp4(x, w_up, offs, global_scale, ...)``: the up-projection GEMM with the
   SwiGLU -> NVFP4 epilogue.
@@ -37,6 +39,7 @@ from ._kernels.nvfp4_swiglu import _grouped_mm_swiglu_nvfp4_kernel, _swiglu_quan
 from .descriptors import TensorDescriptor, weight_descriptor
 from .epilogue import SwiGLU, swiglu_torch
 from .experts import _TL_DTYPES, _check_expert_inputs, _tma_views_ok
+from .hopper import ws_swiglu_nvfp4, ws_swiglu_nvfp4_ok
 from .nvfp4 import BLOCK, _describe, _device_scale, _run, deinterleave8_ref, quantize_ref
 from .reference import grouped_mm_swiglu_ref
 
@@ -188,6 +191,9 @@ def grouped_mm_swiglu_nvfp4_fwd(x, w, offs, bias, gscale, alpha, limit, linear_o
     scales = config.empty((m, f // BLOCK), dtype=torch.uint8, device=x.device)
     if values.numel() == 0:
         return values, scales
+    if cfg is None and layout == "interleaved" and d > 0 and ws_swiglu_nvfp4_ok(x, w):
+        spec = SwiGLU(alpha, limit, linear_offset, layout)
+        return ws_swiglu_nvfp4(x, w, offs, values, scales, gscale, bias=bias, spec=spec)
     cfg = cfg or config.grouped_mm_config(
         m // e, two_f, d, e, ragged_k=False, tma=config.use_tma(x.device), out_bytes=x.element_size(),
         device=x.device, epilogue="swiglu",

@@ -27,6 +27,11 @@ Epilogues (``EPILOGUE``):
 * ``PLAIN``: c = a @ b[g] (+ bias[g]).
 * ``SWIGLU``: the up-projection. c is aux = a @ b[g] + bias[g] (M, 2F), gate and linear columns
   interleaved; out2 is h = SwiGLU(aux) (M, F), computed from the rounded aux.
+* ``SWIGLU_NVFP4``: the up-projection writing h as NVFP4 (``moekit.grouped_mm_swiglu_nvfp4``): aux is
+  staged as for SWIGLU but never stored; h = SwiGLU(aux), rounded to bf16 as SWIGLU stores it, is
+  quantized with 1x16 blocks (``nvfp4_gluon._quantize_blocks``, each thread one 16-column block of a
+  row) into c = values (M, N / 4) and out2 = scales (M, N / 32), uint8, with the global scale at
+  ``gscale``: the bytes of ``nvfp4.quantize`` of SWIGLU's h.
 * ``DSWIGLU`` (its own kernel): dH = a @ b[g] stays in registers; c is d_aux = dSwiGLU(aux) * dH and
   out2 is h = SwiGLU(aux), from the tile's aux that the loader warp stages in the epilogue buffer, one
   column half at a time, the first during the main loop. The tile is held in two accumulators of
@@ -65,10 +70,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .epilogue import swiglu_apply, swiglu_apply_bwd
 from .grouped_gemm import ROW_BOUND_BIG, _group_table, _swizzle
 from .hopper_modes import ColSum, Epilogue
+from .nvfp4_gluon import LIFT_BY_SCALE, _quantize_blocks, _store_blocks
 
 PLAIN = tl.constexpr(Epilogue.PLAIN.value)  # the modes, defined once in hopper_modes.py
 SWIGLU = tl.constexpr(Epilogue.SWIGLU.value)
 DSWIGLU = tl.constexpr(Epilogue.DSWIGLU.value)
+SWIGLU_NVFP4 = tl.constexpr(Epilogue.SWIGLU_NVFP4.value)
 COLSUM_NONE = tl.constexpr(ColSum.NONE.value)
 COLSUM_ROW = tl.constexpr(ColSum.ROW.value)
 COLSUM_VIRTUAL = tl.constexpr(ColSum.VIRTUAL.value)
@@ -333,8 +340,38 @@ def _epilogue(buf, c_desc, c_ptr, stride_c, out2_ptr, stride_out2, row, end, pid
 
 
 @gluon.jit
+def _epilogue_nvfp4(buf, values_ptr, scales_ptr, g, row, end, pid_n, N,
+                    ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr):
+    """SWIGLU_NVFP4: one consumer's rows [row, row + HALF) of the staged aux -> NVFP4 h (module doc).
+    A thread takes the 16 (gate, linear) words of one block of h per row step."""
+    HALF: gl.constexpr = buf.shape[0]
+    W: gl.constexpr = buf.shape[1] // 2  # h columns of the tile
+    NB: gl.constexpr = W // 16
+    R: gl.constexpr = EPI_ROWS
+    LQ: gl.constexpr = gl.BlockedLayout([1, 16], [32 // NB, NB], [4, 1], [1, 0])
+    L4: gl.constexpr = gl.BlockedLayout([1, 1, 8, 2], [32 // NB, NB, 1, 1], [4, 1, 1, 1], [3, 2, 1, 0])
+    L3: gl.constexpr = gl.SliceLayout(3, L4)
+    L2: gl.constexpr = gl.SliceLayout(2, L3)
+    src = buf._reinterpret(gl.int32, [HALF, W], gl.NVMMASharedLayout.get_default_for([HALF, W], gl.int32))
+    F = N // 2
+    blk2 = pid_n * NB + gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(0, L2)), 0)
+    byte3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3))), 0), 1)
+    nib4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(
+        gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4)))), 0), 1), 2)
+    r_in = gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(1, L2)), 1)
+    for r0 in gl.static_range(0, HALF, R):
+        gate, lin = _unpack_pairs(src.slice(r0, R, dim=0).load(LQ))
+        h = swiglu_apply(gate, lin, ALPHA, LIMIT, OFFSET).to(gl.bfloat16).to(gl.float32)
+        h4 = gl.convert_layout(gl.reshape(h, [R, NB, 8, 2]), L4, assert_trivial=True)
+        packed, s_code = _quantize_blocks(h4, g, nib4, LIFT_BY_SCALE)
+        rows2 = row + r0 + r_in
+        _store_blocks(values_ptr, scales_ptr, packed, s_code, rows2.to(gl.int64), blk2,
+                      (rows2 < end) & (blk2 < F // 16), F, byte3)
+
+
+@gluon.jit
 def _mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, out2_ptr, stride_out2,
-                   bias_ptr, stride_bias, table, N, K, tiles_n,
+                   bias_ptr, stride_bias, gscale_ptr, table, N, K, tiles_n,
                    CONSUMER: gl.constexpr, NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr,
                    STAGES: gl.constexpr, B_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr,
                    EPILOGUE: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr):
@@ -356,6 +393,8 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, o
     nxt = _tile_clamped(gl.program_id(0), total, table, tiles_n, BLOCK_M, GROUP_M)
     if HAS_BIAS:
         bias = _bias_row(bias_ptr, stride_bias, nxt[0], nxt[3], N, BLOCK_N, acc_layout)
+    if EPILOGUE == SWIGLU_NVFP4:
+        g_scale = gl.load(gscale_ptr)
     for t in range(gl.program_id(0), total, NUM_SMS):
         g, row, end, pid_n = nxt
         nxt = _tile_clamped(t + NUM_SMS, total, table, tiles_n, BLOCK_M, GROUP_M)
@@ -373,8 +412,12 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, o
         tma.store_wait(0)  # the previous tile's TMA store has read buf
         buf.store(acc.to(buf.dtype))
         fence_async_shared()
-        _epilogue(buf, c_desc, c_ptr, stride_c, out2_ptr, stride_out2, row + CONSUMER * HALF, end, pid_n, N,
-                  EPILOGUE, ALPHA, LIMIT, OFFSET)
+        if EPILOGUE == SWIGLU_NVFP4:
+            _epilogue_nvfp4(buf, c_ptr, out2_ptr, g_scale, row + CONSUMER * HALF, end, pid_n, N, ALPHA, LIMIT,
+                            OFFSET)
+        else:
+            _epilogue(buf, c_desc, c_ptr, stride_c, out2_ptr, stride_out2, row + CONSUMER * HALF, end, pid_n, N,
+                      EPILOGUE, ALPHA, LIMIT, OFFSET)
     tma.store_wait(0)
 
 
@@ -468,6 +511,7 @@ def _grouped_mm_ws_kernel(
     # b (E, N, K) [1, BN, BK] (B_TRANS) or (E, K, N) [1, BK, BN]
     c_ptr, stride_c, out2_ptr, stride_out2,  # the outputs, by epilogue (module doc)
     bias_ptr, stride_bias, table,  # bias (E, N) or None; the row-tile table of _tile_table_kernel
+    gscale_ptr,  # SWIGLU_NVFP4: the (1,) fp32 global scale (unused otherwise)
     N, K,
     NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
     HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr,
@@ -480,10 +524,10 @@ def _grouped_mm_ws_kernel(
     gl.warp_specialize(
         [
             (_mma_partition, (a_bufs, b_bufs, ready, empty, bufs.index(0), c_desc, c_ptr, stride_c, out2_ptr,
-                              stride_out2, bias_ptr, stride_bias, table, N, K, tiles_n,
+                              stride_out2, bias_ptr, stride_bias, gscale_ptr, table, N, K, tiles_n,
                               0, NUM_SMS, GROUP_M, STAGES, B_TRANS, HAS_BIAS, EPILOGUE, ALPHA, LIMIT, OFFSET)),
             (_mma_partition, (a_bufs, b_bufs, ready, empty, bufs.index(1), c_desc, c_ptr, stride_c, out2_ptr,
-                              stride_out2, bias_ptr, stride_bias, table, N, K, tiles_n,
+                              stride_out2, bias_ptr, stride_bias, gscale_ptr, table, N, K, tiles_n,
                               1, NUM_SMS, GROUP_M, STAGES, B_TRANS, HAS_BIAS, EPILOGUE, ALPHA, LIMIT, OFFSET)),
             # (aux_desc, aux_ready, aux_empty are DSWIGLU's: placeholders here, never touched)
             (_load_partition, (a_desc, b_desc, c_desc, a_bufs, b_bufs, bufs, ready, empty, empty.index(0),

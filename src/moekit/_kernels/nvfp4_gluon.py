@@ -41,6 +41,10 @@ from .nvfp4 import _e2m1_magnitude_bits, _finite_abs
 FLT_MAX = gl.constexpr(3.4028234663852886e38)
 TWO_64 = gl.constexpr(18446744073709551616.0)
 NO_LIFT = gl.constexpr(2.0**-117)  # global scales from here up give normal divisors d
+# _quantize_blocks' LIFT: never, always (the caller checked g < NO_LIFT), or by g at run time
+LIFT_NEVER = gl.constexpr(0)
+LIFT_ALWAYS = gl.constexpr(1)
+LIFT_BY_SCALE = gl.constexpr(2)
 
 
 @triton.jit
@@ -101,7 +105,9 @@ def _load_tile(x, pid_m, pid_k, gi, R, K, stride_g, stride_r, stride_k,
 def _quantize_blocks(xt, g, nib4, LIFT: gl.constexpr):
     """One tile [rows, blocks, 8, 2] fp32 (a thread holding whole blocks) and its global scale g ->
     (packed codes [rows, blocks, 8] uint8, the even element low; e4m3 scale codes [rows, blocks]
-    int32). ``LIFT``: x and d are scaled by 2^64 first (for g < NO_LIFT, where d can be subnormal)."""
+    int32). ``LIFT``: whether x and d are scaled by 2^64 first, which g < NO_LIFT needs (d can be
+    subnormal there): LIFT_NEVER, LIFT_ALWAYS, or LIFT_BY_SCALE (a factor of 2^64 or 1 from g, one
+    multiply per element)."""
     # per block, once per thread
     amax = gl.max(gl.max(_finite_abs(xt), axis=3), axis=2)  # [rows, blocks]
     ratio = _div_rn(amax, gl.zeros_like(amax) + 6.0 * g)
@@ -110,15 +116,20 @@ def _quantize_blocks(xt, g, nib4, LIFT: gl.constexpr):
     denom = gl.where(ratio == ratio, _e4m3_value_cvt(s_code), ratio) * g
     ok = denom > 0  # a scale that underflowed e4m3 (or a NaN one): zero codes
     d = gl.where(ok, denom, 1.0)
-    if LIFT:
+    if LIFT == LIFT_ALWAYS:
         d = d * TWO_64
+    if LIFT == LIFT_BY_SCALE:
+        lift = gl.where(g < NO_LIFT, TWO_64, 1.0)
+        d = d * lift
     y = _div_rn(gl.zeros_like(d) + 1.0, d)
     # per element: q = RN(x / d), then its code
     d4 = gl.expand_dims(gl.expand_dims(d, 2), 3)
     y4 = gl.expand_dims(gl.expand_dims(y, 2), 3)
     keep4 = gl.expand_dims(gl.expand_dims(ok, 2), 3)
-    if LIFT:
+    if LIFT == LIFT_ALWAYS:
         codes = _rn_codes(xt * TWO_64, xt, -d4, y4, keep4)
+    elif LIFT == LIFT_BY_SCALE:
+        codes = _rn_codes(xt * lift, xt, -d4, y4, keep4)
     else:
         codes = _rn_codes(xt, xt, -d4, y4, keep4)
     return gl.sum(codes << (nib4 * 4), axis=3).to(gl.uint8), s_code  # the sum's carries land above bit 7
@@ -155,10 +166,10 @@ def _quantize_rows_kernel(
     g = gl.load(gscale + gi * G_STRIDE)
     if g >= NO_LIFT:  # (a loop per case: the common one without the lift's multiply per element)
         _quantize_rows_loop(x, values, scales, g, R, K, stride_g, stride_r, stride_k, pid, programs, pid_k, gi,
-                            BLOCK_M, NB, L4, LX, False)
+                            BLOCK_M, NB, L4, LX, LIFT_NEVER)
     else:
         _quantize_rows_loop(x, values, scales, g, R, K, stride_g, stride_r, stride_k, pid, programs, pid_k, gi,
-                            BLOCK_M, NB, L4, LX, True)
+                            BLOCK_M, NB, L4, LX, LIFT_ALWAYS)
 
 
 @gluon.jit
@@ -246,10 +257,10 @@ def _swiglu_quantize_rows_kernel(
     g = gl.load(gscale)
     if g >= NO_LIFT:
         _swiglu_quantize_loop(pre, values, scales, g, M, F, stride_pre_m, pid, programs, pid_f, ALPHA, LIMIT,
-                              OFFSET, LAYOUT, BLOCK_M, NB, L4, LX, LX2, False)
+                              OFFSET, LAYOUT, BLOCK_M, NB, L4, LX, LX2, LIFT_NEVER)
     else:
         _swiglu_quantize_loop(pre, values, scales, g, M, F, stride_pre_m, pid, programs, pid_f, ALPHA, LIMIT,
-                              OFFSET, LAYOUT, BLOCK_M, NB, L4, LX, LX2, True)
+                              OFFSET, LAYOUT, BLOCK_M, NB, L4, LX, LX2, LIFT_ALWAYS)
 
 
 @gluon.jit
