@@ -136,6 +136,20 @@ def _quantize_blocks(xt, g, nib4, LIFT: gl.constexpr):
 
 
 @gluon.jit
+def _tile_indices(ROWS: gl.constexpr, NB: gl.constexpr, L4: gl.constexpr):
+    """The index tensors of a [ROWS, NB, 8, 2] tile in L4: row offsets [ROWS, 1] and block offsets
+    [1, NB] (in L4's [rows, blocks] slice), byte offsets [1, 1, 8] and nibble offsets [1, 1, 1, 2]."""
+    L3: gl.constexpr = gl.SliceLayout(3, L4)  # [rows, blocks, bytes]
+    L2: gl.constexpr = gl.SliceLayout(2, L3)  # [rows, blocks]
+    r_off = gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(1, L2)), 1)
+    b_off = gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(0, L2)), 0)
+    byte3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3))), 0), 1)
+    nib4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(
+        gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4)))), 0), 1), 2)
+    return r_off, b_off, byte3, nib4
+
+
+@gluon.jit
 def _store_blocks(values, scales, packed, s_code, out_rows2, blk2, ok2, K, byte3):
     """Store a tile's packed codes and scale codes: rows out_rows2 [rows, 1] (int64), 16-element blocks
     blk2 [1, blocks] of a (.., K) tensor, where ok2; values (.., K / 2), scales (.., K / 16), uint8."""
@@ -176,15 +190,10 @@ def _quantize_rows_kernel(
 def _quantize_rows_loop(x, values, scales, g, R, K, stride_g, stride_r, stride_k, pid, programs, pid_k, gi,
                         BLOCK_M: gl.constexpr, NB: gl.constexpr, L4: gl.constexpr, LX: gl.constexpr,
                         LIFT: gl.constexpr):
-    L3: gl.constexpr = gl.SliceLayout(3, L4)  # [rows, blocks, bytes]
-    L2: gl.constexpr = gl.SliceLayout(2, L3)  # [rows, blocks]
     BLOCK_K: gl.constexpr = NB * 16
     tiles_m = (R + BLOCK_M - 1) // BLOCK_M
-    blk2 = pid_k * NB + gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(0, L2)), 0)
-    byte3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3))), 0), 1)
-    nib4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(
-        gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4)))), 0), 1), 2)
-    r_off = gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L2)), 1)
+    r_off, b_off, byte3, nib4 = _tile_indices(BLOCK_M, NB, L4)
+    blk2 = pid_k * NB + b_off
 
     x_next = _load_tile(x, pid, pid_k, gi, R, K, stride_g, stride_r, stride_k, BLOCK_M, BLOCK_K, LX)
     for pid_m in range(pid, tiles_m, programs):
@@ -268,15 +277,10 @@ def _swiglu_quantize_loop(pre, values, scales, g, M, F, stride_pre_m, pid, progr
                           ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr, LAYOUT: gl.constexpr,
                           BLOCK_M: gl.constexpr, NB: gl.constexpr, L4: gl.constexpr, LX: gl.constexpr,
                           LX2: gl.constexpr, LIFT: gl.constexpr):
-    L3: gl.constexpr = gl.SliceLayout(3, L4)
-    L2: gl.constexpr = gl.SliceLayout(2, L3)
     BLOCK_F: gl.constexpr = NB * 16
     tiles_m = (M + BLOCK_M - 1) // BLOCK_M
-    blk2 = pid_f * NB + gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(0, L2)), 0)
-    byte3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3))), 0), 1)
-    nib4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(
-        gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4)))), 0), 1), 2)
-    r_off = gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L2)), 1)
+    r_off, b_off, byte3, nib4 = _tile_indices(BLOCK_M, NB, L4)
+    blk2 = pid_f * NB + b_off
 
     a_next, b_next = _load_gate_up_raw(pre, pid, pid_f, M, F, stride_pre_m, BLOCK_M, BLOCK_F, LAYOUT, LX, LX2)
     for pid_m in range(pid, tiles_m, programs):
