@@ -135,8 +135,9 @@ def ws_gemm(a, b, offs, c, *, epilogue: Epilogue = Epilogue.PLAIN, bias=None, ou
 
 
 def ws_swiglu_nvfp4_ok(a, b) -> bool:
-    """Whether the up-projection a (M, D) @ b (E, D, 2F), interleaved gate/up columns, takes the
-    warp-specialized kernel with the SwiGLU -> NVFP4 epilogue (``ws_swiglu_nvfp4``)."""
+    """Whether the up-projection a (M, D) @ b (E, D, 2F) takes the warp-specialized kernel with the
+    SwiGLU -> NVFP4 epilogue (``ws_swiglu_nvfp4``), which reads interleaved gate/up columns (the
+    caller checks the layout)."""
     return ws_ok(a, b)
 
 
