@@ -625,6 +625,9 @@ def quantize(
     ``global_scale``: a 0-dim float tensor, or (E,) for x (E, ..., K) with one per leading index, on x's
     device; returned as given (as fp32). With None it is computed on the device (``global_scale_ref``
     of all of x) and returned 0-dim. No host sync either way; with a given scale, CUDA-graph safe.
+    A given scale is not checked on the device: 0, inf and NaN give all-zero values (as in
+    ``quantize_ref``); a negative one is outside the format, and the kernels' bytes for it differ from
+    the reference's.
 
     ``rounding="stochastic"`` (gradients): each value rounds to one of its two neighbouring e2m1 values
     with probability proportional to its distance from the other, so the quantization is unbiased;
