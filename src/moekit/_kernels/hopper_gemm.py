@@ -70,7 +70,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .epilogue import swiglu_apply, swiglu_apply_bwd
 from .grouped_gemm import ROW_BOUND_BIG, _group_table, _swizzle
 from .hopper_modes import ColSum, Epilogue
-from .nvfp4_gluon import LIFT_BY_SCALE, _quantize_blocks, _store_blocks
+from .nvfp4_gluon import LIFT_BY_SCALE, _quantize_blocks, _store_blocks, _tile_indices
 
 PLAIN = tl.constexpr(Epilogue.PLAIN.value)  # the modes, defined once in hopper_modes.py
 SWIGLU = tl.constexpr(Epilogue.SWIGLU.value)
@@ -350,15 +350,10 @@ def _epilogue_nvfp4(buf, values_ptr, scales_ptr, g, row, end, pid_n, N,
     R: gl.constexpr = EPI_ROWS
     LQ: gl.constexpr = gl.BlockedLayout([1, 16], [32 // NB, NB], [4, 1], [1, 0])
     L4: gl.constexpr = gl.BlockedLayout([1, 1, 8, 2], [32 // NB, NB, 1, 1], [4, 1, 1, 1], [3, 2, 1, 0])
-    L3: gl.constexpr = gl.SliceLayout(3, L4)
-    L2: gl.constexpr = gl.SliceLayout(2, L3)
     src = buf._reinterpret(gl.int32, [HALF, W], gl.NVMMASharedLayout.get_default_for([HALF, W], gl.int32))
     F = N // 2
-    blk2 = pid_n * NB + gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(0, L2)), 0)
-    byte3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3))), 0), 1)
-    nib4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(
-        gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4)))), 0), 1), 2)
-    r_in = gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(1, L2)), 1)
+    r_in, b_off, byte3, nib4 = _tile_indices(R, NB, L4)
+    blk2 = pid_n * NB + b_off
     for r0 in gl.static_range(0, HALF, R):
         gate, lin = _unpack_pairs(src.slice(r0, R, dim=0).load(LQ))
         h = swiglu_apply(gate, lin, ALPHA, LIMIT, OFFSET).to(gl.bfloat16).to(gl.float32)
