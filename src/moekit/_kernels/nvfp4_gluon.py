@@ -38,7 +38,6 @@ from triton.experimental.gluon import language as gl
 from .epilogue import swiglu_apply
 from .nvfp4 import _e2m1_magnitude_bits, _finite_abs
 
-FLT_MAX = gl.constexpr(3.4028234663852886e38)
 TWO_64 = gl.constexpr(18446744073709551616.0)
 NO_LIFT = gl.constexpr(2.0**-117)  # global scales from here up give normal divisors d
 # _quantize_blocks' LIFT: never, always (the caller checked g < NO_LIFT), or by g at run time
