@@ -352,6 +352,36 @@ def test_quantize_kernel_special_values(interpreter):
     _check_special_values("cpu")
 
 
+# global scales outside the format: 0, -0, inf, NaN and negative ones, one rule everywhere
+BAD_GLOBAL_SCALES = (0.0, -0.0, float("inf"), float("nan"), -1.5, -float("inf"), -2.0**-140)
+
+
+def _check_bad_global_scales(device):
+    """Each bad global scale: all-zero values and the reference's bytes, from the activation and the
+    weight quantizers; a per-expert vector mixing good and bad ones leaves the good experts as they
+    were alone."""
+    x = _activations((37, 64), torch.bfloat16, device=device)
+    for g in BAD_GLOBAL_SCALES:
+        g = torch.tensor(g, device=device)
+        got = nvfp4.quantize(x, g)
+        _assert_bit_equal(got, nvfp4.quantize_ref(x, g))
+        assert not got[0].view(torch.uint8).any(), g
+    mixed = torch.tensor([0.01, -0.01, -0.0, float("nan")], device=device)
+    w = _weights((4, 64, 48), "contiguous", device=device)
+    for block_2d in (False, True):
+        got = nvfp4.quantize_weights(w, mixed, block_2d=block_2d)
+        _assert_bit_equal(got, nvfp4.quantize_weights_ref(w, mixed, block_2d=block_2d))
+        alone = nvfp4.quantize_weights(w[:1], mixed[:1], block_2d=block_2d)
+        _assert_bit_equal([t[:1] for t in got[:2]], alone[:2])
+        assert not got[0][1:].view(torch.uint8).any()
+    x4 = _activations((4, 9, 32), torch.float32, device=device)
+    _assert_bit_equal(nvfp4.quantize(x4, mixed), nvfp4.quantize_ref(x4, mixed))
+
+
+def test_bad_global_scales_give_zero_values(interpreter):
+    _check_bad_global_scales("cpu")
+
+
 def test_tiny_tensors_quantize_near_x(interpreter):
     """x ~ 2^-135 (fp32 subnormals, a subnormal global scale): a block's scale times the global scale
     is ~2^-135, whose reciprocal would overflow fp32 (so the values are divided by it, not multiplied
@@ -567,6 +597,13 @@ def test_rounding_and_special_values_gpu(gluon):
         _check_ties(DEV)
         _check_scale_rounding(DEV)
         _check_special_values(DEV)
+
+
+@gpu
+@pytest.mark.parametrize("gluon", [True, False], ids=["gluon-kernel", "triton-kernel"])
+def test_bad_global_scales_gpu(gluon):
+    with moekit.options(gluon_quantize=gluon):
+        _check_bad_global_scales(DEV)
 
 
 @gpu

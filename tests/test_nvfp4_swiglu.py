@@ -188,6 +188,42 @@ def _close_to_ref(got, want):
     _assert_bit_equal(got[2:], want[2:])
 
 
+BAD_GLOBAL_SCALES = (-0.01, -0.0, float("nan"), 0.0, float("inf"))
+
+
+def _check_bad_global_scales(device):
+    """Global scales outside the format (nvfp4.quantize's rule): all-zero values, the reference's bytes
+    from the SwiGLU pass and the fused up-projection."""
+    pre = (torch.randn(19, 96, device=device) * 3).to(BF16)
+    x, w, bias, offs = _gemm_inputs([5, 0, 9], 3, 32, 48, device=device)
+    for g in BAD_GLOBAL_SCALES:
+        g = torch.tensor(g, device=device)
+        got = ns.swiglu_quantize_nvfp4(pre, g)[:2]  # (the global scale is returned as given: NaN != NaN)
+        _assert_bit_equal(got, ns.swiglu_quantize_nvfp4_ref(pre, g)[:2])
+        assert not got[0].view(torch.uint8).any()
+        got = ns.grouped_mm_swiglu_nvfp4(x, w, offs, g, bias=bias)[:2]
+        _assert_bit_equal(got, nvfp4.quantize(moekit.grouped_mm_swiglu(x, w, offs, bias=bias)[0], g)[:2])
+        assert not got[0].view(torch.uint8).any()
+
+
+def test_bad_global_scales(interpreter):
+    _check_bad_global_scales("cpu")
+
+
+@gpu
+@pytest.mark.parametrize("gluon", [True, False], ids=["gluon", "triton"])
+def test_bad_global_scales_gpu(gluon):
+    """The same on the GPU kernels: the Gluon or Triton pass, and the fused up-projection (warp-specialized
+    on Hopper at these sizes when the layout allows, else Triton)."""
+    with moekit.options(gluon_quantize=gluon):
+        _check_bad_global_scales(DEV)
+    x, w, bias, offs = _gemm_inputs([200, 0, 333], 40, 256, 512, device=DEV)
+    for g in BAD_GLOBAL_SCALES:
+        g = torch.tensor(g, device=DEV)
+        got = ns.grouped_mm_swiglu_nvfp4(x, w, offs, g, bias=bias)[:2]
+        _assert_bit_equal(got, nvfp4.quantize(moekit.grouped_mm_swiglu(x, w, offs, bias=bias)[0], g)[:2])
+
+
 @gpu
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("variant", VARIANTS)

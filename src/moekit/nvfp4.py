@@ -262,13 +262,24 @@ def _leading(g: torch.Tensor, ndim: int) -> torch.Tensor:
     return g.float().reshape(g.shape + (1,) * (ndim - g.dim()))
 
 
+def _quantizing_scale(g: torch.Tensor) -> torch.Tensor:
+    """A global scale as every quantizer uses it: a negative one, outside the format, as NaN (its blocks
+    then get NaN scales and zero values, as for a NaN scale) and -0 as +0. The kernels read it the same
+    way (``_kernels/nvfp4._read_global_scale``)."""
+    return torch.where(g >= 0, g.abs(), torch.full_like(g, float("nan")))
+
+
 def _quantize_blocks(
     blocks: torch.Tensor, g0: torch.Tensor, amax: torch.Tensor, rbits: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, ...]:
     """blocks (..., K / 16, 16) fp32 with their amaxes (..., K / 16, 1) -> (values, scales); with
     ``rbits`` (blocks' shape, int64 random words) the e2m1 rounding is stochastic."""
-    g = _leading(g0, blocks.dim())
-    scales = (amax / (E2M1_MAX * g)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    g = _leading(_quantizing_scale(g0), blocks.dim())
+    ratio = amax / (E2M1_MAX * g)
+    # a NaN ratio (0 / 0, NaN / NaN) as the positive NaN of the GPU, code 0x7F: the CPU's 0 / 0 has the
+    # sign bit set
+    ratio = torch.where(ratio.isnan(), torch.full_like(ratio, float("nan")), ratio)
+    scales = ratio.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     denom = scales.float() * g
     safe = torch.where(denom > 0, denom, torch.ones_like(denom))
     q = blocks / safe
@@ -284,7 +295,8 @@ def quantize_ref(
     """x (..., K) bf16 / fp16 / fp32, K % 16 == 0 -> (values (..., K / 2) float4_e2m1fn_x2, scales
     (..., K / 16) float8_e4m3fn, global_scale). ``global_scale``: a 0-dim float tensor, or (E,) for x
     (E, ..., K) with one per expert (returned as fp32); computed from the whole of x when None.
-    A global scale that is not positive and finite gives meaningless scales. ``rounding``: "nearest"
+    A global scale that is not positive and finite gives all-zero values (a negative one is read as NaN:
+    ``_quantizing_scale``). ``rounding``: "nearest"
     (ties to even) or "stochastic" (``e2m1_codes_sr_ref``; element i of x's row-major order draws
     ``random_bits_ref(seed, offset, ...)[i]``, so a call uses Philox counters [offset, offset + numel / 4))."""
     _check_blocks(x, "nvfp4.quantize")
@@ -625,9 +637,9 @@ def quantize(
     ``global_scale``: a 0-dim float tensor, or (E,) for x (E, ..., K) with one per leading index, on x's
     device; returned as given (as fp32). With None it is computed on the device (``global_scale_ref``
     of all of x) and returned 0-dim. No host sync either way; with a given scale, CUDA-graph safe.
-    A given scale is not checked on the device: 0, inf and NaN give all-zero values (as in
-    ``quantize_ref``); a negative one is outside the format, and the kernels' bytes for it differ from
-    the reference's.
+    A given scale is not checked on the device: 0, inf, NaN and negative scales give all-zero values and
+    the block scales of ``quantize_ref`` (a negative scale is outside the format and is read as NaN, -0
+    as +0).
 
     ``rounding="stochastic"`` (gradients): each value rounds to one of its two neighbouring e2m1 values
     with probability proportional to its distance from the other, so the quantization is unbiased;

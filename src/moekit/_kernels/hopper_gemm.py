@@ -70,6 +70,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .epilogue import swiglu_apply, swiglu_apply_bwd
 from .grouped_gemm import ROW_BOUND_BIG, _group_table, _swizzle
 from .hopper_modes import ColSum, Epilogue
+from .nvfp4 import _read_global_scale
 from .nvfp4_gluon import LIFT_BY_SCALE, _quantize_blocks, _store_blocks, _tile_indices
 
 PLAIN = tl.constexpr(Epilogue.PLAIN.value)  # the modes, defined once in hopper_modes.py
@@ -389,7 +390,7 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, o
     if HAS_BIAS:
         bias = _bias_row(bias_ptr, stride_bias, nxt[0], nxt[3], N, BLOCK_N, acc_layout)
     if EPILOGUE == SWIGLU_NVFP4:
-        g_scale = gl.load(gscale_ptr)
+        g_scale = _read_global_scale(gscale_ptr)
     for t in range(gl.program_id(0), total, NUM_SMS):
         g, row, end, pid_n = nxt
         nxt = _tile_clamped(t + NUM_SMS, total, table, tiles_n, BLOCK_M, GROUP_M)

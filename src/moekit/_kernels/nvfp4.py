@@ -50,6 +50,14 @@ def _with_sign(v, negative):
 
 
 @triton.jit
+def _read_global_scale(ptr):
+    """The global scale at ``ptr`` as every quantizer reads it: a negative one (outside the format) as
+    NaN, -0 as +0 (``nvfp4._quantizing_scale``)."""
+    g = tl.load(ptr)
+    return tl.where(g >= 0, tl.abs(g), float("nan"))
+
+
+@triton.jit
 def _e4m3_code(r):
     """fp32 r in [0, 448] -> its e4m3fn code (int32), rounded to nearest even like torch's
     ``.to(torch.float8_e4m3fn)``, subnormals included; NaN -> 0x7F. The clamp to 448 is the caller's."""
@@ -231,7 +239,7 @@ def _quantize_kernel(
     row_ok = rows < R
     src = x + gi.to(tl.int64) * stride_g + rows[:, None].to(tl.int64) * stride_r
     xt = tl.load(src + cols[None, :].to(tl.int64) * stride_k, mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
-    g = tl.load(gscale + gi * G_STRIDE)
+    g = _read_global_scale(gscale + gi * G_STRIDE)
     out_rows = (gi.to(tl.int64) * R + rows)[:, None]
     rbits = 0
     if STOCHASTIC:  # one Philox counter per 4 consecutive elements (K % 16 == 0: never across rows)

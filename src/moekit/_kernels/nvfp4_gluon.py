@@ -36,7 +36,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from .epilogue import swiglu_apply
-from .nvfp4 import _e2m1_magnitude_bits, _finite_abs
+from .nvfp4 import _e2m1_magnitude_bits, _finite_abs, _read_global_scale
 
 TWO_64 = gl.constexpr(18446744073709551616.0)
 NO_LIFT = gl.constexpr(2.0**-117)  # global scales from here up give normal divisors d
@@ -176,7 +176,7 @@ def _quantize_rows_kernel(
     # viewed as the 4-D tile without moving data
     LX: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPW_B, TPW_B], [gl.num_warps(), 1], [1, 0])
     pid, programs, pid_k, gi = gl.program_id(0), gl.num_programs(0), gl.program_id(1), gl.program_id(2)
-    g = gl.load(gscale + gi * G_STRIDE)
+    g = _read_global_scale(gscale + gi * G_STRIDE)
     if g >= NO_LIFT:  # (a loop per case: the common one without the lift's multiply per element)
         _quantize_rows_loop(x, values, scales, g, R, K, stride_g, stride_r, stride_k, pid, programs, pid_k, gi,
                             BLOCK_M, NB, L4, LX, LIFT_NEVER)
@@ -262,7 +262,7 @@ def _swiglu_quantize_rows_kernel(
     LX: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPW_B, TPW_B], [gl.num_warps(), 1], [1, 0])
     LX2: gl.constexpr = gl.BlockedLayout([1, 32], [32 // TPW_B, TPW_B], [gl.num_warps(), 1], [1, 0])
     pid, programs, pid_f = gl.program_id(0), gl.num_programs(0), gl.program_id(1)
-    g = gl.load(gscale)
+    g = _read_global_scale(gscale)
     if g >= NO_LIFT:
         _swiglu_quantize_loop(pre, values, scales, g, M, F, stride_pre_m, pid, programs, pid_f, ALPHA, LIMIT,
                               OFFSET, LAYOUT, BLOCK_M, NB, L4, LX, LX2, LIFT_NEVER)

@@ -22,7 +22,7 @@ import triton.language as tl
 from .epilogue import _load_pairs, split_pairs, swiglu_apply
 from .experts import _mainloop_pair
 from .grouped_gemm import _add_bias, _group_table, _locate, _mainloop
-from .nvfp4 import nvfp4_quantize_tile
+from .nvfp4 import _read_global_scale, nvfp4_quantize_tile
 
 
 @triton.jit
@@ -74,7 +74,7 @@ def _swiglu_quantize_kernel(
     rows = tl.where(rows < M, rows, -1)  # -1: read as 0 by _load_gate_up, not stored
     j = tl.program_id(1) * BLOCK_F
     gate, lin = _load_gate_up(pre, rows, j, F, stride_pre_m, BLOCK_M, BLOCK_F, LAYOUT)
-    packed, s_code = _quantize_h(gate, lin, tl.load(gscale), pre.dtype.element_ty, ALPHA, LIMIT, OFFSET,
+    packed, s_code = _quantize_h(gate, lin, _read_global_scale(gscale), pre.dtype.element_ty, ALPHA, LIMIT, OFFSET,
                                  BLOCK_M, BLOCK_F)
     _store_nvfp4(values, scales, rows, rows >= 0, j, F, packed, s_code, BLOCK_F)
 
@@ -115,7 +115,7 @@ def _grouped_mm_swiglu_nvfp4_kernel(
     tiles_n = tl.cdiv(F, BLOCK_F)
     k_tiles = tl.cdiv(K, BLOCK_K)
     e, starts, ends, tiles, tiles_end, total = _group_table(offs_ptr, M, E, tiles_n, BLOCK_M, BLOCK_E)
-    g_scale = tl.load(gscale)
+    g_scale = _read_global_scale(gscale)
 
     for tile in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=FLATTEN):
         g, start, end, row, pid_n = _locate(tile, e, starts, ends, tiles, tiles_end, tiles_n, BLOCK_M, GROUP_M)
