@@ -107,6 +107,9 @@ def test_other_output_dtypes(interpreter, out_dtype):
 PINNED = [
     pytest.param(config.TileConfig(16, 16, 16, group_m=4, num_warps=4, num_stages=1), id="bk16-swizzle"),
     pytest.param(config.TileConfig(32, 64, 64, group_m=1, num_warps=4, num_stages=1), id="bk-wider-than-k"),
+    pytest.param(config.TileConfig(16, 32, 32, group_m=1, num_warps=4, num_stages=1, swap=True), id="swap"),
+    pytest.param(config.TileConfig(32, 64, 64, group_m=2, num_warps=4, num_stages=1, swap=True),
+                 id="swap-bk-wider-than-k"),
 ]
 
 
@@ -239,6 +242,16 @@ def test_kernel_matches_the_oracle_gpu(counts, m, k, n):
     args = _operands(counts, m, k, n, device=DEV)
     _assert_matches_oracle(grouped_mm_nvfp4(*args), args)
     _assert_matches_oracle(grouped_mm_nvfp4(*args, out_dtype=F32), args)
+
+
+@gpu
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_transposed_tile_gpu(block_m):
+    """The transposed tile (few rows per expert) on the GPU, pinned, with experts past its M tile, an
+    empty one and tail rows."""
+    args = _operands([5, 70, 0, 16, 33, 1], 140, 1024, 640, device=DEV)
+    cfg = config.TileConfig(block_m, 128, 64, group_m=1, num_warps=4, num_stages=3, programs_per_sm=2, swap=True)
+    _assert_matches_oracle(grouped_mm_nvfp4_fwd(*args, BF16, cfg=cfg), args)
 
 
 @gpu

@@ -25,7 +25,8 @@ class TileConfig:
     tiles are walked together for L2 reuse; ``flatten`` lets Triton fuse the persistent tile loop
     with the K loop so the next tile's loads overlap this tile's epilogue; ``split_store`` writes
     the tile as two halves (half the epilogue's shared memory); ``programs_per_sm`` persistent
-    programs share each SM (above 1 only when their shared memory fits together).
+    programs share each SM (above 1 only when their shared memory fits together); ``swap`` (the NVFP4
+    GEMM) computes the tile transposed, the weights' rows as the MMA's rows.
     """
 
     block_m: int
@@ -37,6 +38,7 @@ class TileConfig:
     flatten: bool = False
     split_store: bool = False
     programs_per_sm: int = 1
+    swap: bool = False
 
 
 @dataclass(frozen=True)
@@ -339,15 +341,19 @@ def swiglu_bwd_blocks() -> tuple[int, int, int, int]:
 
 
 def nvfp4_gemm_config(m: int, e: int, device: torch.device) -> TileConfig:
-    """The tile of the emulated NVFP4 grouped GEMM (``nvfp4_gemm``) for m rows over e experts: a short M
-    tile when there are few rows per expert (the GEMM streams the weights once), else a square one.
-    BLOCK_K is a power of two and a multiple of 16 (whole scale blocks). The decode holds both operand
-    tiles in registers: these are the largest tiles that ptxas compiles for sm_90 without spilling
-    (64x128x128 with 4 warps spills 2 KB, 128x128x64 with 8 warps 132 bytes). On an H100 the GEMM runs
-    at 0.27x moekit's bf16 grouped GEMM at 16-64 rows per expert and 0.16x at gpt-oss-20b training
-    size (``benchmarks/bench_nvfp4.py``): the register-held decode, not the bytes, bounds it."""
+    """The tile of the emulated NVFP4 grouped GEMM (``nvfp4_gemm``) for m rows over e experts. BLOCK_K is
+    a power of two and a multiple of 16 (whole scale blocks).
+
+    * At most 64 rows per expert on average: the transposed tile (``swap``), 128 weight rows by an M
+      tile of 16, 32 or 64 rows, the smallest that holds the average expert's rows, so the GEMM decodes
+      each weight tile about once and wastes little decode on rows past an expert's end.
+    * Otherwise a 128 x 128 tile. The decode holds both operand tiles in registers: the largest tiles
+      that ptxas compiles for sm_90 without spilling (128 x 128 x 64 with 8 warps spills 132 bytes).
+    Measured on an H100: ``benchmarks/bench_nvfp4.py``."""
     if device.type != "cuda":
         return _NVFP4_INTERPRETER_CONFIG
     if m <= 64 * e:
-        return TileConfig(block_m=64, block_n=128, block_k=64, group_m=1, num_warps=8, num_stages=3)
+        block_m = 16 if m <= 16 * e else 32 if m <= 32 * e else 64
+        return TileConfig(block_m=block_m, block_n=128, block_k=128, group_m=1, num_warps=4, num_stages=3,
+                          programs_per_sm=4, swap=True)
     return TileConfig(block_m=128, block_n=128, block_k=32, group_m=8, num_warps=8, num_stages=3)

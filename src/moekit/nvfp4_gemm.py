@@ -153,7 +153,7 @@ def grouped_mm_nvfp4_fwd(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(e + 1),
         OP_DTYPE=tl.float32 if config.is_interpreting() else tl.bfloat16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SWAP=cfg.swap, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
     )
     return out
 

@@ -132,7 +132,11 @@ def grouped_mm_swiglu_nvfp4_ref(
         w_up, bias, layout = deinterleave8_ref(w_up), None if bias is None else deinterleave8_ref(bias), "halves"
     h, _ = grouped_mm_swiglu_ref(x, w_up, offs, bias=bias, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
                                  swiglu_linear_offset=swiglu_linear_offset, gate_up_layout=layout)
-    return quantize_ref(h.detach(), global_scale)
+    values, scales, g = quantize_ref(h.detach(), global_scale)
+    # rows past offs[-1]: zero codes and zero scales, also for a global scale outside the format
+    tail = (torch.arange(h.shape[0], device=h.device) >= offs[-1:])[:, None] if offs.numel() else True
+    scales = torch.where(tail, torch.zeros_like(scales.view(torch.uint8)), scales.view(torch.uint8))
+    return values, scales.view(torch.float8_e4m3fn), g
 
 
 # --------------------------------------------------------------------------------------------------

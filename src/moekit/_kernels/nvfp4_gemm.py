@@ -4,7 +4,14 @@
 operands in NVFP4 (packed e2m1 codes + one e4m3 scale per 16 elements along K). Each K step loads the
 packed bytes and the scale bytes of an A tile and a W tile, decodes them in registers to
 ``e2m1 value * e4m3 block scale`` and feeds ``tl.dot`` with an fp32 accumulator; the two global scales
-multiply the accumulator in the epilogue.
+multiply the accumulator in the epilogue. ``SWAP``: the tile is computed transposed, ``w @ a^T`` (the
+weights' rows as the MMA's M, the few rows of an expert as its N), for few rows per expert: a
+[BLOCK_N, BLOCK_K] weight tile decoded in registers can then feed a Hopper wgmma as its register
+operand, and the rows' tile (BLOCK_M, as small as 16) is the one that goes through shared memory.
+
+The decode places each code's bits in an fp32 word (``_e2m1_placed``: the magnitude bits at the
+exponent's and mantissa's top, the sign at the top), which reads value * 2^-126 (an fp32 subnormal
+for 0.5), and multiplies by the block scale times 2^63 and by 2^63: two exact multiplies per element.
 
 Why the decoded operand is exact in bf16: an e2m1 value has at most 2 significant bits, an e4m3 scale
 at most 4 (fewer when subnormal), so their product has at most 6 and lies in [2^-10, 2688], well
@@ -22,7 +29,19 @@ import triton
 import triton.language as tl
 
 from .grouped_gemm import _group_table, _locate, _store_rows
-from .nvfp4 import _e2m1_value, _e4m3_value
+from .nvfp4 import _e4m3_value
+
+TWO_63 = tl.constexpr(9.223372036854775808e18)  # 2^63: 2^126 in two exact steps (448 * 2^126 overflows)
+
+
+@triton.jit
+def _e2m1_placed(b):
+    """Packed bytes (int32, 0-255) -> (even, odd) elements as fp32 words reading e2m1 value * 2^-126:
+    code bits 0-2 at fp32 bits 22-24 (the exponent's two low bits and the mantissa's top), bit 3 at
+    the sign. Exact for every code: 0.5 (0b001) is the subnormal 2^-127, 1 (0b010) is 2^-126."""
+    even = ((b << 22) & 0x01C00000) | ((b << 28) & -2147483648)
+    odd = ((b << 18) & 0x01C00000) | ((b << 24) & -2147483648)
+    return even.to(tl.float32, bitcast=True), odd.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -41,11 +60,12 @@ def _load_nvfp4(
     vcols = k // 2 + tl.arange(0, BLOCK_K // 2)
     b = tl.load(values + r64 * stride_vr + vcols[None, :].to(tl.int64) * stride_vk,
                 mask=row_ok & (vcols < K // 2)[None, :], other=0).to(tl.int32)
-    v = _e2m1_value(tl.reshape(tl.join(b & 15, b >> 4), [BLOCK_R, BLOCK_K]))  # the even element is the low nibble
+    even, odd = _e2m1_placed(b)
+    v = tl.reshape(tl.join(even, odd), [BLOCK_R, BLOCK_K])  # the even element is the low nibble
     scols = k // 16 + tl.arange(0, NB)
     sc = tl.load(scales + r64 * stride_sr + scols[None, :].to(tl.int64) * stride_sk,
                  mask=row_ok & (scols < K // 16)[None, :], other=0).to(tl.int32)
-    x = tl.reshape(v, [BLOCK_R, NB, 16]) * _e4m3_value(sc)[:, :, None]
+    x = tl.reshape(v, [BLOCK_R, NB, 16]) * (_e4m3_value(sc) * TWO_63)[:, :, None] * TWO_63
     return tl.reshape(x, [BLOCK_R, BLOCK_K]).to(OP_DTYPE)
 
 
@@ -61,6 +81,7 @@ def _grouped_mm_nvfp4_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
     OP_DTYPE: tl.constexpr,  # bf16 on a GPU; fp32 on the interpreter, whose bf16 tl.dot is wrong
+    SWAP: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     tiles_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -74,14 +95,22 @@ def _grouped_mm_nvfp4_kernel(
         ge = tl.minimum(g, E - 1).to(tl.int64)
         wv = w_values + ge * stride_wve
         ws = w_scales + ge * stride_wse
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(tl.where(real, k_tiles, 0)):
+        if SWAP:
+            acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in tl.range(tl.where(real, k_tiles, 0), num_stages=NUM_STAGES):
             k = ki * BLOCK_K
             a_tile = _load_nvfp4(a_values, a_scales, row, k, end, K, stride_avm, stride_avk, stride_asm, stride_ask,
                                  BLOCK_M, BLOCK_K, OP_DTYPE)
             w_tile = _load_nvfp4(wv, ws, col, k, N, K, stride_wvn, stride_wvk, stride_wsn, stride_wsk,
                                  BLOCK_N, BLOCK_K, OP_DTYPE)
-            acc = tl.dot(a_tile, w_tile.T, acc)
+            if SWAP:
+                acc_t = tl.dot(w_tile, a_tile.T, acc_t)
+            else:
+                acc = tl.dot(a_tile, w_tile.T, acc)
+        if SWAP:
+            acc = acc_t.T
         # the global scales multiply the fp32 accumulator: their product first, then one multiply,
         # as the reference does (in float64 there)
         scale = ag * tl.load(w_global + ge * stride_wg)

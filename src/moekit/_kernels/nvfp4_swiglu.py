@@ -141,5 +141,6 @@ def _grouped_mm_swiglu_nvfp4_kernel(
         gate = acc_g.to(OUT_DTYPE).to(tl.float32)
         lin = acc_l.to(OUT_DTYPE).to(tl.float32)
         packed, s_code = _quantize_h(gate, lin, g_scale, OUT_DTYPE, ALPHA, LIMIT, OFFSET, BLOCK_M, BLOCK_F)
+        s_code = tl.where(real, s_code, 0)  # the tail's zero h has zero scales whatever the global scale
         rows = row + tl.arange(0, BLOCK_M)
         _store_nvfp4(values, scales, rows, rows < end, j, F, packed, s_code, BLOCK_F)
