@@ -346,7 +346,8 @@ def nvfp4_gemm_config(m: int, e: int, device: torch.device) -> TileConfig:
 
     * At most 64 rows per expert on average: the transposed tile (``swap``), 128 weight rows by an M
       tile of 16, 32 or 64 rows, the smallest that holds the average expert's rows, so the GEMM decodes
-      each weight tile about once and wastes little decode on rows past an expert's end.
+      each weight tile about once. BLOCK_K 128, or 64 with the 64-row tile (0.50 against 0.54 ms at
+      64 rows per expert; 128 was faster at 16).
     * Otherwise a 128 x 128 tile. The decode holds both operand tiles in registers: the largest tiles
       that ptxas compiles for sm_90 without spilling (128 x 128 x 64 with 8 warps spills 132 bytes).
     Measured on an H100: ``benchmarks/bench_nvfp4.py``."""
@@ -354,6 +355,6 @@ def nvfp4_gemm_config(m: int, e: int, device: torch.device) -> TileConfig:
         return _NVFP4_INTERPRETER_CONFIG
     if m <= 64 * e:
         block_m = 16 if m <= 16 * e else 32 if m <= 32 * e else 64
-        return TileConfig(block_m=block_m, block_n=128, block_k=128, group_m=1, num_warps=4, num_stages=3,
-                          programs_per_sm=4, swap=True)
+        return TileConfig(block_m=block_m, block_n=128, block_k=128 if block_m <= 32 else 64, group_m=1,
+                          num_warps=4, num_stages=3, programs_per_sm=4, swap=True)
     return TileConfig(block_m=128, block_n=128, block_k=32, group_m=8, num_warps=8, num_stages=3)

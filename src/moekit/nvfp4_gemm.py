@@ -7,7 +7,9 @@ NVFP4 training step whose backward runs elsewhere); its inputs are integer-coded
 
 Hopper has no FP4 tensor cores, so the kernel emulates them: it reads the packed operands (a quarter
 of bf16's bytes, plus 1/16 for the scales), decodes them exactly to bf16 in registers and runs bf16
-``tl.dot`` with fp32 accumulation (why the decode is exact: ``_kernels/nvfp4_gemm.py``).
+``tl.dot`` with fp32 accumulation (why the decode is exact: ``_kernels/nvfp4_gemm.py``). With few rows
+per expert (the transposed tile) the rows are decoded once beforehand and only the weights in the
+kernel.
 
 Legend: M rows (tokens routed to experts, expert-sorted), N output columns, K reduction length,
 E experts.
@@ -21,7 +23,7 @@ import triton.language as tl
 
 from . import config
 from ._kernels.nvfp4_gemm import _grouped_mm_nvfp4_kernel
-from .nvfp4 import BLOCK, _run, e2m1_values_ref, unpack_ref
+from .nvfp4 import BLOCK, _run, dequantize, e2m1_values_ref, unpack_ref
 from .reference import _bounds
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -140,7 +142,12 @@ def grouped_mm_nvfp4_fwd(
         raise ValueError(f"{_NAME}: block_k must be a power of two and a multiple of {BLOCK}, got {bk}")
     max_tiles = (triton.cdiv(m, bm) + e + 1) * triton.cdiv(n, bn)  # each expert adds <= 1 partial row tile
     programs = min(config.num_sms(a_values.device) * cfg.programs_per_sm, max_tiles)
-    av, asc = a_values.view(torch.uint8), a_scales.view(torch.uint8)
+    op_dtype = torch.float32 if config.is_interpreting() else torch.bfloat16
+    if cfg.swap:  # A decoded once (exact: value * block scale), not once per column tile
+        one = torch.ones((), dtype=torch.float32, device=a_values.device)
+        av = asc = dequantize(a_values.view(FP4), a_scales.view(E4M3), one, dtype=op_dtype)
+    else:
+        av, asc = a_values.view(torch.uint8), a_scales.view(torch.uint8)
     wv, wsc = w_values.view(torch.uint8), w_scales.view(torch.uint8)
     _grouped_mm_nvfp4_kernel[(programs,)](
         av, asc, a_global,
@@ -152,8 +159,8 @@ def grouped_mm_nvfp4_fwd(
         out.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(e + 1),
-        OP_DTYPE=tl.float32 if config.is_interpreting() else tl.bfloat16,
-        SWAP=cfg.swap, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+        OP_DTYPE=tl.float32 if op_dtype == torch.float32 else tl.bfloat16,
+        SWAP=cfg.swap, A_DECODED=cfg.swap, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
     )
     return out
 

@@ -8,6 +8,8 @@ multiply the accumulator in the epilogue. ``SWAP``: the tile is computed transpo
 weights' rows as the MMA's M, the few rows of an expert as its N), for few rows per expert: a
 [BLOCK_N, BLOCK_K] weight tile decoded in registers can then feed a Hopper wgmma as its register
 operand, and the rows' tile (BLOCK_M, as small as 16) is the one that goes through shared memory.
+With it the launcher decodes A once beforehand (``A_DECODED``: value * block scale, exact in bf16),
+since every column tile would decode the same few rows again, and the kernel loads A as it is.
 
 The decode places each code's bits in an fp32 word (``_e2m1_placed``: the magnitude bits at the
 exponent's and mantissa's top, the sign at the top), which reads value * 2^-126 (an fp32 subnormal
@@ -70,8 +72,21 @@ def _load_nvfp4(
 
 
 @triton.jit
+def _load_decoded(a, row, k, row_end, K, stride_m, stride_k, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                  OP_DTYPE: tl.constexpr):
+    """A_DECODED: the [BLOCK_R, BLOCK_K] tile at (row, k) of the decoded rows (M, K), in OP_DTYPE already
+    (exact); rows >= row_end and columns >= K read as 0."""
+    rows = row + tl.arange(0, BLOCK_R)
+    cols = k + tl.arange(0, BLOCK_K)
+    x = tl.load(a + rows[:, None].to(tl.int64) * stride_m + cols[None, :].to(tl.int64) * stride_k,
+                mask=(rows < row_end)[:, None] & (cols < K)[None, :], other=0.0)
+    return x.to(OP_DTYPE)
+
+
+@triton.jit
 def _grouped_mm_nvfp4_kernel(
     a_values, a_scales, a_global,  # (M, K / 2), (M, K / 16) uint8 strided; () fp32
+    # (A_DECODED: a_values is (M, K) in OP_DTYPE, value * block scale, and a_scales is unused)
     w_values, w_scales, w_global,  # (E, N, K / 2), (E, N, K / 16) uint8 strided; (E,) fp32 strided
     c, offs_ptr,  # c (M, N), unit column stride; offs (E,) int32 cumulative row ends
     M, N, K, E,
@@ -81,7 +96,7 @@ def _grouped_mm_nvfp4_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
     OP_DTYPE: tl.constexpr,  # bf16 on a GPU; fp32 on the interpreter, whose bf16 tl.dot is wrong
-    SWAP: tl.constexpr, NUM_STAGES: tl.constexpr,
+    SWAP: tl.constexpr, A_DECODED: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     tiles_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -101,8 +116,11 @@ def _grouped_mm_nvfp4_kernel(
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in tl.range(tl.where(real, k_tiles, 0), num_stages=NUM_STAGES):
             k = ki * BLOCK_K
-            a_tile = _load_nvfp4(a_values, a_scales, row, k, end, K, stride_avm, stride_avk, stride_asm, stride_ask,
-                                 BLOCK_M, BLOCK_K, OP_DTYPE)
+            if A_DECODED:
+                a_tile = _load_decoded(a_values, row, k, end, K, stride_avm, stride_avk, BLOCK_M, BLOCK_K, OP_DTYPE)
+            else:
+                a_tile = _load_nvfp4(a_values, a_scales, row, k, end, K, stride_avm, stride_avk, stride_asm,
+                                     stride_ask, BLOCK_M, BLOCK_K, OP_DTYPE)
             w_tile = _load_nvfp4(wv, ws, col, k, N, K, stride_wvn, stride_wvk, stride_wsn, stride_wsk,
                                  BLOCK_N, BLOCK_K, OP_DTYPE)
             if SWAP:
