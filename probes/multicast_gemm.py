@@ -15,10 +15,10 @@ the multicast copy from rank 0 alone, and each CTA's "ready" mbarrier expects it
 whole B box. The barriers come from ``mbarrier.allocate_mbarrier(batch=STAGES)`` (one per CTA); a
 broadcast mbarrier layout handed to ``warp_specialize`` crashed the compiler.
 
-Every thread of the cluster must reach a cluster barrier, and Triton's worker warps wait in its
-partition dispatch until the default warps reach ``warp_specialize``. So the barriers' cluster-wide
-initialisation sync runs at the start of every partition, and the loader has 4 warps (one issues):
-an idle padding warp would never arrive.
+A cluster barrier waits for every non-exited thread of the cluster, and Triton's worker warps wait in
+its partition dispatch until the default warps reach ``warp_specialize`` (read from the PTX). So the
+barriers' cluster-wide initialisation sync runs at the start of every partition, and the loader has 4
+warps (one issues): an idle padding warp beside a one-warp loader would never arrive.
 
 Stage release across the cluster: rank 0 may refill a stage only when *both* CTAs' consumers are done
 with it, since its copy lands in both. Two ways (variants below):
