@@ -23,7 +23,12 @@ The cases:
 - ``moe_dswiglu``: the gpt-oss block with >= 128 routed rows per expert and ``fused_dswiglu=True``: the
   down-projection's dgrad on the dSwiGLU-epilogue kernel (which serves blocks whose routing weights
   are applied after the down-projection: the gpt-oss configuration);
-- ``nvfp4``: quantize with an amax on the device, dequantize, and the ragged tiled scale layout.
+- ``nvfp4``: quantize with an amax on the device, dequantize, and the ragged tiled scale layout;
+- ``nvfp4_gemm``: the NVFP4 grouped GEMM with few rows per expert (the transposed tile, A decoded
+  beforehand) and with many (the plain tile), an empty expert and rows past ``offs[-1]``;
+- ``nvfp4_swiglu``: the standalone SwiGLU -> NVFP4 pass and the fused up-projection writing NVFP4 h,
+  the latter with >= 128 rows per expert (the warp-specialized ``SWIGLU_NVFP4`` epilogue on Hopper)
+  and with fewer (the Triton kernel).
 """
 
 from __future__ import annotations
@@ -129,6 +134,36 @@ def nvfp4_case():
     assert torch.equal(got.view(torch.uint8), nvfp4.to_blocked_ragged_ref(scales, offs).view(torch.uint8))
 
 
+def nvfp4_gemm_case():
+    from moekit.nvfp4_gemm import grouped_mm_nvfp4_ref
+
+    torch.manual_seed(4)
+    for counts, rows, k, n in (([9, 0, 16, 3], 33, 256, 384), ([300, 0, 257, 130], 700, 128, 200)):
+        offs = _offs(counts)
+        a = nvfp4.quantize(torch.randn(rows, k, device=DEV))
+        w = nvfp4.quantize_weights(torch.randn(len(counts), k, n, device=DEV) * 0.1)
+        got = moekit.grouped_mm_nvfp4(*a, *w, offs)
+        _check(got.float(), grouped_mm_nvfp4_ref(*a, *w, offs).float(), f"nvfp4 gemm {counts}", 1e-2)
+
+
+def nvfp4_swiglu_case():
+    from moekit import nvfp4_swiglu as ns
+
+    torch.manual_seed(5)
+    pre = (torch.randn(77, 2 * 96, device=DEV) * 3).to(torch.bfloat16)
+    got = ns.swiglu_quantize_nvfp4(pre, torch.tensor(0.003, device=DEV))
+    want = ns.swiglu_quantize_nvfp4_ref(pre, torch.tensor(0.003, device=DEV))
+    _check(nvfp4.dequantize(*got), nvfp4.dequantize(*want), "swiglu -> nvfp4", 5e-2)
+    for counts, rows in (([300, 0, 257, 130], 700), ([20, 0, 9], 40)):
+        offs = _offs(counts)
+        x = torch.randn(rows, 128, device=DEV, dtype=torch.bfloat16)
+        w = torch.randn(len(counts), 128, 2 * 160, device=DEV, dtype=torch.bfloat16) * 0.1
+        g = torch.tensor(0.003, device=DEV)
+        got = ns.grouped_mm_swiglu_nvfp4(x, w, offs, g)
+        want = ns.grouped_mm_swiglu_nvfp4_ref(x, w, offs, g)
+        _check(nvfp4.dequantize(*got), nvfp4.dequantize(*want), f"up-projection -> nvfp4 {counts}", 5e-2)
+
+
 CASES = {
     "gemm_tma": gemm_tma,
     "gemm_ws": gemm_ws,
@@ -139,6 +174,8 @@ CASES = {
     "moe_ws": moe_ws,
     "moe_dswiglu": moe_dswiglu,
     "nvfp4": nvfp4_case,
+    "nvfp4_gemm": nvfp4_gemm_case,
+    "nvfp4_swiglu": nvfp4_swiglu_case,
 }
 
 
