@@ -348,8 +348,8 @@ def nvfp4_gemm_config(m: int, e: int, device: torch.device) -> TileConfig:
       tile of 16, 32 or 64 rows, the smallest that holds the average expert's rows, so the GEMM decodes
       each weight tile about once. BLOCK_K 128, or 64 with the 64-row tile (0.50 against 0.54 ms at
       64 rows per expert; 128 was faster at 16).
-    * Otherwise a 128 x 128 tile. The decode holds both operand tiles in registers: the largest tiles
-      that ptxas compiles for sm_90 without spilling (128 x 128 x 64 with 8 warps spills 132 bytes).
+    * Otherwise a 128 x 128 x 32 tile with 8 warps; the decode holds both operand tiles in registers
+      (168 per thread; BLOCK_K 64 takes 252, not timed since the decode by bit placement).
     Measured on an H100: ``benchmarks/bench_nvfp4.py``."""
     if device.type != "cuda":
         return _NVFP4_INTERPRETER_CONFIG
