@@ -35,6 +35,7 @@ from .routing import (
     sorted_weights,
     topk_router,
 )
+from .warmup import warmup
 
 __version__ = "0.1.0"
 
@@ -73,5 +74,6 @@ __all__ = [
     "swiglu_quantize_nvfp4_ref",
     "swiglu_ref",
     "topk_router",
+    "warmup",
     "__version__",
 ]

@@ -745,10 +745,14 @@ _TRAINING_NAMES = ("TrainingRecipe", "hadamard16")
 
 
 def __getattr__(name: str):
-    """NVFP4 training's recipe and random Hadamard transform, reachable as ``moekit.nvfp4.*``. They live
-    in ``moekit.nvfp4_train``, which imports this module, so they are looked up on first use."""
+    """NVFP4 training's recipe and random Hadamard transform, and ``moekit.warmup``, reachable as
+    ``moekit.nvfp4.*``. They live in modules that import this one, so they are looked up on first use."""
     if name in _TRAINING_NAMES:
         from . import nvfp4_train
 
         return getattr(nvfp4_train, name)
+    if name == "warmup":
+        from .warmup import warmup
+
+        return warmup
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
