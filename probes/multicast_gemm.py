@@ -59,6 +59,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from moekit._kernels.grouped_gemm import _swizzle  # the tile order of moekit's kernels
+from moekit._kernels.hopper_gemm import _advance
+
 BM, BN, BK = 128, 256, 64  # per CTA (--bk sets BK)
 STAGES = 3  # --stages
 # the remote arrival's semantics (--arrive-sem): "" is PTX's default, release at CTA scope
@@ -87,23 +90,6 @@ def _arrive_rank0(stage, EMPTY_OFF: gl.constexpr, SEM: gl.constexpr):
 
 
 @gluon.jit
-def _tile(t, tiles_m, tiles_n, GROUP_M: gl.constexpr):
-    width = GROUP_M * tiles_n
-    first_m = (t // width) * GROUP_M
-    rows = gl.minimum(tiles_m - first_m, GROUP_M)
-    return first_m + (t % width) % rows, (t % width) // rows
-
-
-@gluon.jit
-def _advance(idx, phase, STAGES: gl.constexpr):
-    idx += 1
-    if idx == STAGES:
-        idx = 0
-        phase ^= 1
-    return idx, phase
-
-
-@gluon.jit
 def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, CLUSTER_M: gl.constexpr,
             NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_CTAS: gl.constexpr,
             MULTICAST: gl.constexpr, EMPTY_OFF: gl.constexpr):
@@ -123,7 +109,7 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, CLUSTER_M: gl
     phase = 1
     j = 0  # K steps loaded so far (the cluster barrier's phase count)
     for t in range(gl.program_id(0), tiles_m * tiles_n, NUM_PROGRAMS):
-        pid_m, pid_n = _tile(t, tiles_m, tiles_n, GROUP_M)
+        pid_m, pid_n = _swizzle(t, tiles_m, tiles_n, GROUP_M)
         row = pid_m * CLUSTER_M + rank * BLOCK_M
         for ki in range(k_iters):
             if (NUM_CTAS > 1) & (EMPTY_OFF == -1):
@@ -190,7 +176,7 @@ def _consumer(a_bufs, b_bufs, ready, empty, buf, c_desc, M, N, K, CONSUMER: gl.c
     phase = 0
     j = 0  # K steps consumed so far
     for t in range(gl.program_id(0), tiles_m * tiles_n, NUM_PROGRAMS):
-        pid_m, pid_n = _tile(t, tiles_m, tiles_n, GROUP_M)
+        pid_m, pid_n = _swizzle(t, tiles_m, tiles_n, GROUP_M)
         row = pid_m * CLUSTER_M + rank * BLOCK_M + CONSUMER * HALF
         acc = warpgroup_mma_init(gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout))
         for ki in range(k_iters):
