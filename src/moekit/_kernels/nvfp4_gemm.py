@@ -30,7 +30,7 @@ the rows [offs[-1], M) and writes zeros.
 import triton
 import triton.language as tl
 
-from .grouped_gemm import _group_table, _locate, _store_rows
+from .grouped_gemm import _group_table, _load_2d, _locate, _store_rows
 from .nvfp4 import _e4m3_value
 
 TWO_63 = tl.constexpr(9.223372036854775808e18)  # 2^63: 2^126 in two exact steps (448 * 2^126 overflows)
@@ -72,18 +72,6 @@ def _load_nvfp4(
 
 
 @triton.jit
-def _load_decoded(a, row, k, row_end, K, stride_m, stride_k, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                  OP_DTYPE: tl.constexpr):
-    """A_DECODED: the [BLOCK_R, BLOCK_K] tile at (row, k) of the decoded rows (M, K), in OP_DTYPE already
-    (exact); rows >= row_end and columns >= K read as 0."""
-    rows = row + tl.arange(0, BLOCK_R)
-    cols = k + tl.arange(0, BLOCK_K)
-    x = tl.load(a + rows[:, None].to(tl.int64) * stride_m + cols[None, :].to(tl.int64) * stride_k,
-                mask=(rows < row_end)[:, None] & (cols < K)[None, :], other=0.0)
-    return x.to(OP_DTYPE)
-
-
-@triton.jit
 def _grouped_mm_nvfp4_kernel(
     a_values, a_scales, a_global,  # (M, K / 2), (M, K / 16) uint8 strided; () fp32
     # (A_DECODED: a_values is (M, K) in OP_DTYPE, value * block scale, and a_scales is unused)
@@ -116,8 +104,8 @@ def _grouped_mm_nvfp4_kernel(
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in tl.range(tl.where(real, k_tiles, 0), num_stages=NUM_STAGES):
             k = ki * BLOCK_K
-            if A_DECODED:
-                a_tile = _load_decoded(a_values, row, k, end, K, stride_avm, stride_avk, BLOCK_M, BLOCK_K, OP_DTYPE)
+            if A_DECODED:  # already value * block scale, in OP_DTYPE
+                a_tile = _load_2d(a_values, 0, row, k, end, K, stride_avm, stride_avk, BLOCK_M, BLOCK_K)
             else:
                 a_tile = _load_nvfp4(a_values, a_scales, row, k, end, K, stride_avm, stride_avk, stride_asm,
                                      stride_ask, BLOCK_M, BLOCK_K, OP_DTYPE)
