@@ -17,8 +17,8 @@ tokens on every rank, routed by the block's own router (random weights, so about
   one profiled pair of steps on rank 0, how long the NCCL kernels ran and what share of that time a
   compute kernel ran beside them.
 - **all-to-all**: the layer's exchanges alone, timed on their own with the sizes of the C = 1 step:
-  rows out and back in the forward and the backward (4 × R·(W-1)/W rows of D per rank when balanced),
-  plus the routing weights' (R,) fp32 exchanges where the block carries them.
+  token rows out and back in the forward and the backward (each token once per rank that holds one
+  of its experts), plus their (2K,) fp32 choices out in the forward and back in the backward.
 
 A step is the forward and the gradients of x and every parameter (the router's gradients are not
 all-reduced: a data-parallel wrapper does that). Times are the mean of ``--reps`` steps after
@@ -51,7 +51,7 @@ import moekit  # noqa: E402
 from moekit import MoE  # noqa: E402
 from moekit.bench import BLOCK_SHAPES, CPU_SHAPES, environment  # noqa: E402
 from moekit.bench.moe import CONFIGS  # noqa: E402
-from moekit.distributed import ExpertParallelMoE  # noqa: E402
+from moekit.distributed import ExpertParallelMoE, send_plan  # noqa: E402
 from moekit.routing import topk_router  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -96,31 +96,29 @@ def _timed(fn, dev, warmup: int, reps: int, collective: bool) -> float:
     return float(t)
 
 
-def _alltoall_ms(moe: MoE, x, world: int, dev, warmup: int, reps: int, scaled: bool) -> tuple[float, float]:
-    """The C = 1 layer's exchanges alone (host splits from this rank's routing), and the MiB of rows
-    this rank sends to other ranks in them."""
+def _alltoall_ms(moe: MoE, x, world: int, dev, warmup: int, reps: int) -> tuple[float, float]:
+    """The C = 1 layer's exchanges alone (host splits from this rank's routing), and the MiB of token
+    rows this rank sends to other ranks in them."""
     with torch.no_grad():
         r = topk_router(x, moe.router.weight, moe.router.bias, top_k=moe.top_k, score_func=moe.score_func,
                         renormalize=moe.renormalize, expert_bias=moe.expert_bias)
-        send = r.counts.view(world, -1).sum(1).long()
+        send = send_plan(r.experts, moe.experts.num_experts // world, world).tokens
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send)
     send_l, recv_l = send.tolist(), recv.tolist()
-    d = x.shape[1]
+    d, k = x.shape[1], moe.top_k
     rows_out, rows_in = x.new_empty(sum(send_l), d), x.new_empty(sum(recv_l), d)
-    w_out = torch.empty(sum(send_l), device=dev)
-    w_in = torch.empty(sum(recv_l), device=dev)
+    meta_out = torch.empty(sum(send_l), 2 * k, device=dev)
+    meta_in = torch.empty(sum(recv_l), 2 * k, device=dev)
 
     def exchange(out, inp, out_splits, in_splits):
         dist.all_to_all_single(out, inp, out_splits, in_splits)
 
     def layer():
         for _ in range(2):  # the forward, then the backward's reverse exchanges of the same sizes
-            exchange(rows_in, rows_out, recv_l, send_l)  # rows to their experts' ranks
-            exchange(rows_out, rows_in, send_l, recv_l)  # expert outputs back
-        if scaled:  # the routing weights there (forward), their gradients back (backward)
-            exchange(w_in, w_out, recv_l, send_l)
-            exchange(w_out, w_in, send_l, recv_l)
+            exchange(rows_in, rows_out, recv_l, send_l)  # tokens to the ranks of their experts
+            exchange(meta_in, meta_out, recv_l, send_l)  # their choices there (forward), the weights' gradients
+            exchange(rows_out, rows_in, send_l, recv_l)  # each rank's share of the output back
 
     ms = _timed(layer, dev, warmup, reps, collective=True)
     me = dist.get_rank()
@@ -248,8 +246,7 @@ def _rank(rank: int, world: int, folder: str, args: dict) -> None:
             row["ep1_busy"] = _stream_busy(_step(moe, x, dy), folder, rank)
         if args["cprofile"] and cuda:
             row["ep1_host"] = _host_profile(_step(moe, x, dy), rank)
-        scaled = not CONFIGS[config]["bias"]
-        row["a2a"], row["a2a_mib"] = _alltoall_ms(moe, x.detach(), world, dev, args["warmup"], args["reps"], scaled)
+        row["a2a"], row["a2a_mib"] = _alltoall_ms(moe, x.detach(), world, dev, args["warmup"], args["reps"])
         runs = [("host", c, m) for c in args["chunks"] for m in args["margins"]]
         runs.append(("device", max(args["chunks"]), max(args["margins"])))
         row["ep"] = {}
@@ -305,7 +302,7 @@ def table(rows: list[dict], command: str) -> str:
             hidden = f"{min(max(hidden, 0.0), 1.0):.0%}"
             out.append(f"{head} {r['world']} | {splits} | {chunks} | {margin} | {m['ms']:.2f} | {eff:.2f} "
                        f"| {exposed:.2f} | {r['a2a']:.2f} | {hidden} | {nccl} | {under} | {comp} |")
-    out += ["", "all-to-all: the C = 1 layer's four row exchanges (and the routing weights' where carried), "
+    out += ["", "all-to-all: the C = 1 layer's four token-row exchanges and two of the tokens' choices, "
             "alone; MiB sent to other ranks per rank, and the routed rows' imbalance over ranks (max / mean). "
             "NCCL busy: rank 0's NCCL kernels per profiled step; under compute: the share of that time "
             "during which a compute kernel ran too.", ""]

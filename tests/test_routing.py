@@ -8,7 +8,7 @@ import torch
 
 from moekit import MoE, combine, combine_ref, gather_rows, router_topk_ref, routing_metadata_ref, topk_router
 from moekit.bench.baselines import TorchtitanMoE
-from moekit.routing import _router_topk_op, router_topk_fwd, routing_metadata_fwd
+from moekit.routing import _router_topk_op, gather_token_rows, router_topk_fwd, routing_metadata_fwd
 from moekit.testing import assert_within_baseline
 
 BF16 = torch.bfloat16
@@ -147,6 +147,46 @@ def test_combine_and_gather_against_float64(interpreter):
     r.token_idx, r.row_of = token_idx, row_of
     x = torch.randn(t, d).to(BF16).requires_grad_()
     xs = gather_rows(x, r)
+    assert torch.equal(xs, x.detach()[token_idx.long()])
+    g = torch.randn_like(xs)
+    xs.backward(g)
+    want = torch.zeros(t, d, dtype=torch.float64).index_add_(0, token_idx.long(), g.double())
+    assert_within_baseline(x.grad, want, torch.zeros(t, d).index_add_(0, token_idx.long(), g.float()).to(BF16))
+
+
+@pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "plain"])
+def test_combine_and_gather_with_absent_choices(interpreter, weighted):
+    """Negative row_of entries (expert parallelism's choices on other ranks) add nothing, get zero
+    weight gradients and name no row; the other entries name each of the R < T*K rows once."""
+    t, k, d = 31, 4, 40
+    present = torch.rand(t, k) < 0.6
+    present[0] = False  # a token with no choice here
+    present[1] = True  # one with all of them
+    r = int(present.sum())
+    row_of = torch.full((t, k), -1, dtype=torch.int32)
+    row_of[present] = torch.randperm(r, dtype=torch.int32)
+    y = torch.randn(r, d).to(BF16).requires_grad_()
+    w = torch.rand(t, k).requires_grad_() if weighted else None
+    out = combine(y, w, row_of)
+    dout = torch.randn(t, d).to(BF16)
+    out.backward(dout)
+    mask = present.double()[..., None]
+    w64 = torch.ones(t, k, dtype=torch.float64) if w is None else w.detach().double()
+    ref = (y.detach().double()[row_of.clamp_min(0).long()] * mask * w64[..., None]).sum(1)
+    assert_within_baseline(out, ref, combine_ref(y.detach(), w, row_of), what="combine")
+    assert torch.equal(out[0], torch.zeros(d, dtype=BF16))
+    dy = torch.zeros(r, d, dtype=torch.float64)
+    dy[row_of[present].long()] = (dout.double()[:, None, :] * w64[..., None]).expand(t, k, d)[present]
+    torch.testing.assert_close(y.grad.double(), dy, rtol=2**-8, atol=0)
+    if weighted:
+        dw = (dout.double()[:, None, :] * y.detach().double()[row_of.clamp_min(0).long()]).sum(-1) * present
+        torch.testing.assert_close(w.grad.double(), dw, rtol=1e-2, atol=1e-2)
+        assert (w.grad[~present] == 0).all()
+
+    token_idx = torch.empty(r, dtype=torch.int32)
+    token_idx[row_of[present].long()] = torch.arange(t, dtype=torch.int32)[:, None].expand(t, k)[present]
+    x = torch.randn(t, d).to(BF16).requires_grad_()
+    xs = gather_token_rows(x, token_idx, row_of)
     assert torch.equal(xs, x.detach()[token_idx.long()])
     g = torch.randn_like(xs)
     xs.backward(g)

@@ -64,17 +64,20 @@ and the experts compile.
 
 from __future__ import annotations
 
+from functools import partial
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .layers import GroupedExperts
-from .routing import Routing, combine, gather_rows, routing_metadata, sorted_weights, topk_router
+from .routing import Routing, combine, gather_token_rows, routing_metadata, sorted_weights, topk_router
 
 SPLITS = ("device", "host")
 
 # --------------------------------------------------------------------------------------------------
-# row permutations (each the other's adjoint)
+# the send plan: each token once per destination rank
 # --------------------------------------------------------------------------------------------------
 
 
@@ -93,82 +96,70 @@ class ScatterRowsFn(torch.autograd.Function):
         return grad.index_select(0, pos), None, None
 
 
-class GatherRowsFn(torch.autograd.Function):
-    """out (N, ...) = x[pos]; pos (N,) int64, distinct. Backward: zeros with grad_x[pos] = grad."""
+class SendPlan(NamedTuple):
+    """Where a slice of T tokens goes (:func:`send_plan`); W ranks, K choices per token, S buffer rows."""
 
-    @staticmethod
-    def forward(ctx, x, pos):
-        ctx.save_for_backward(pos)
-        ctx.rows = x.shape[0]
-        return x.index_select(0, pos)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (pos,) = ctx.saved_tensors
-        return grad.new_zeros((ctx.rows, *grad.shape[1:])).index_copy_(0, pos, grad), None
+    tokens: torch.Tensor  # (W,) int64: tokens sent to each rank (S = their sum, or W * cap)
+    pairs: torch.Tensor  # (W,) int64: (token, expert) choices sent to each rank
+    pos: torch.Tensor  # (T, W) int32: token t's row in the send buffer for rank w, -1 if t does not go there
+    send_tok: torch.Tensor  # (bound,) int32: the token of each buffer row; the first S rows are the buffer
+    row: torch.Tensor  # (T, K) int64: choice (t, k)'s buffer row, pos[t, w(t, k)]
+    local: torch.Tensor  # (T, K) int32: choice (t, k)'s expert id on its rank, in [0, El)
 
 
-# --------------------------------------------------------------------------------------------------
-# arrival order: received rows -> local-expert order, on the device
-# --------------------------------------------------------------------------------------------------
+def send_plan(experts: torch.Tensor, local_experts: int, world: int, cap: int | None = None) -> SendPlan:
+    """Where each token goes, on the device and without a sync.
 
-
-def arrival_order_ref(recv_counts: torch.Tensor, slot_rows: torch.Tensor, rows: int):
-    """Reference for :func:`arrival_order`, on the host with Python loops."""
-    counts = recv_counts.tolist()
-    slots = slot_rows.tolist()
-    world, local = len(counts), len(counts[0]) if counts else 0
-    per_expert = [sum(counts[s][e] for s in range(world)) for e in range(local)]
-    expert_start = [sum(per_expert[:e]) for e in range(local)]
-    taken = [0] * local
-    pos, pad, b = [0] * rows, sum(per_expert), 0
-    for s in range(world):
-        for e in range(local):
-            for _ in range(counts[s][e]):
-                pos[b] = expert_start[e] + taken[e]
-                taken[e] += 1
-                b += 1
-        for _ in range(slots[s] - sum(counts[s])):
-            pos[b], pad, b = pad, pad + 1, b + 1
-    return torch.tensor(pos, dtype=torch.int64), torch.tensor(per_expert, dtype=recv_counts.dtype)
-
-
-def arrival_order(recv_counts: torch.Tensor, slot_rows: torch.Tensor, rows: int):
-    """Where each received row goes so that the rows are sorted by local expert; no host sync.
-
-    recv_counts (W, El) integer: rows that source s sends for local expert e. The receive buffer holds
-    W slots back to back, slot s of ``slot_rows[s]`` rows ((W,) integer, on the device) with source s's
-    rows first, sorted by local expert, then padding; ``rows`` = sum(slot_rows) = B, a host int.
-    Returns (pos (B,) int64, a permutation: buffer row b goes to row pos[b]; counts (El,)): the real
-    rows fill [0, sum(counts)) sorted by local expert and, within an expert, by source rank and arrival;
-    padding rows follow, in buffer order.
+    experts (T, K) integer global expert ids (distinct per token); rank w owns experts
+    [w*El, (w+1)*El), El = ``local_experts``. A token goes once to every rank that owns one of its
+    experts. The send buffer holds destination 0's tokens, then destination 1's, ..., each block in
+    token order: S rows in all, the sum of ``tokens`` (known on the host only after a sync, so
+    ``send_tok`` is sized for the most, T*W rows); with ``cap``, fixed slots of ``cap`` rows per
+    destination (S = W * cap), destination w's tokens first in its slot, the rest naming token 0.
+    ``pos`` is -1 where a token does not go: an absent entry for :func:`moekit.combine` and
+    :func:`moekit.routing.gather_token_rows`.
     """
-    world, local = recv_counts.shape
-    dev = recv_counts.device
-    recv = recv_counts.long()
-    slot = slot_rows.long()
-    pad = slot - recv.sum(1)  # (W,)
-    seg = torch.cat([recv, pad[:, None]], 1).reshape(-1)  # (W*(El+1),) rows per segment, in buffer order
-    seg_first = seg.cumsum(0) - seg  # each segment's first buffer row
-    per_expert = recv.sum(0)  # (El,)
-    expert_start = per_expert.cumsum(0) - per_expert
-    src_before = recv.cumsum(0) - recv  # (W, El): rows of expert e from sources before s
-    pad_start = per_expert.sum() + pad.cumsum(0) - pad  # (W,)
-    dest = torch.cat([expert_start[None] + src_before, pad_start[:, None]], 1).reshape(-1)
-    seg_of_row = torch.repeat_interleave(torch.arange(seg.numel(), device=dev), seg, output_size=rows)
-    pos = dest[seg_of_row] + torch.arange(rows, device=dev) - seg_first[seg_of_row]
-    return pos, per_expert.to(recv_counts.dtype)
+    t, k = experts.shape
+    dev = experts.device
+    ids = experts.long()
+    dest = ids // local_experts  # (T, K)
+    hit = torch.zeros((world, t), dtype=torch.bool, device=dev).scatter_(0, dest.t(), True)  # (W, T)
+    tokens = hit.sum(1)
+    pairs = torch.zeros(world, dtype=torch.int64, device=dev).scatter_add_(0, dest.reshape(-1),
+                                                                           torch.ones_like(dest).reshape(-1))
+    bound = t * world if cap is None else cap * world
+    base = tokens.cumsum(0) - tokens if cap is None else torch.arange(world, device=dev) * cap
+    place = base[:, None] + hit.cumsum(1) - 1  # (W, T), a scan along the inner dim (~100x faster than along T)
+    send_tok = torch.zeros(bound + 1, dtype=torch.int32, device=dev)  # (+1: the absent entries' writes)
+    owner = torch.arange(t, device=dev, dtype=torch.int32).expand(world, t)
+    send_tok.scatter_(0, torch.where(hit, place, bound).reshape(-1), owner.reshape(-1))
+    pos = torch.where(hit, place, -1).t()  # (T, W)
+    row = pos.gather(1, dest)
+    local = (ids - dest * local_experts).to(torch.int32)
+    return SendPlan(tokens, pairs, pos.to(torch.int32).contiguous(), send_tok[:bound], row, local)
 
 
-def _slot_positions(send_counts: torch.Tensor, cap: int, rows: int) -> torch.Tensor:
-    """send_counts (W,): rows for each destination, in order; -> (R,) int64: row i's place in a buffer
-    of W slots of ``cap`` rows (destination d's rows at [d*cap, d*cap + send_counts[d]))."""
-    world = send_counts.numel()
-    dev = send_counts.device
-    counts = send_counts.long()
-    start = counts.cumsum(0) - counts
-    dest = torch.repeat_interleave(torch.arange(world, device=dev), counts, output_size=rows)
-    return dest * cap + torch.arange(rows, device=dev) - start[dest]
+def send_plan_ref(experts: torch.Tensor, local_experts: int, world: int, cap: int | None = None) -> SendPlan:
+    """Reference for :func:`send_plan`, on the host with Python loops."""
+    ids = experts.tolist()
+    t, k = experts.shape
+    blocks = [[i for i in range(t) if any(e // local_experts == w for e in ids[i])] for w in range(world)]
+    base = [w * cap for w in range(world)] if cap is not None else [sum(map(len, blocks[:w])) for w in range(world)]
+    pos = [[-1] * world for _ in range(t)]
+    send_tok = [0] * (t * world if cap is None else cap * world)
+    for w, block in enumerate(blocks):
+        for j, i in enumerate(block):
+            pos[i][w] = base[w] + j
+            send_tok[base[w] + j] = i
+    as_t = partial(torch.tensor, device=experts.device)
+    return SendPlan(
+        as_t([len(b) for b in blocks], dtype=torch.int64),
+        as_t([sum(e // local_experts == w for r in ids for e in r) for w in range(world)], dtype=torch.int64),
+        as_t(pos, dtype=torch.int32).view(t, world),
+        as_t(send_tok, dtype=torch.int32),
+        as_t([[pos[i][e // local_experts] for e in ids[i]] for i in range(t)], dtype=torch.int64).view(t, k),
+        as_t([[e % local_experts for e in ids[i]] for i in range(t)], dtype=torch.int32).view(t, k),
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -184,6 +175,9 @@ class _Exchange:
         self.group, self.in_rows, self.out_rows = group, in_rows, out_rows
         self.in_splits, self.out_splits = in_splits, out_splits
         self.work = self.bwd_work = self.bwd_out = None
+
+    def reverse(self) -> _Exchange:
+        return _Exchange(self.group, self.out_rows, self.in_rows, self.out_splits, self.in_splits)
 
 
 @torch.compiler.disable
@@ -242,25 +236,19 @@ def all_to_all_wait(out: torch.Tensor, ex: _Exchange) -> torch.Tensor:
 
 
 @torch.compiler.disable
-def _exchange_counts(counts_CE: torch.Tensor, top_k: int, world: int, group):
-    """counts_CE (C, E) rows per expert of each chunk on this rank -> ((C, W, El) int64: rows each source
-    rank sends for each of this rank's experts, per chunk; (C, W) int64: each source rank's token count
-    per chunk, sum(counts) / K, which never leaves the device), in one all-to-all."""
-    c, e = counts_CE.shape
-    counts = counts_CE.long()
-    tokens = (counts.sum(1) // top_k).view(c, 1, 1).expand(c, world, 1)
-    send = torch.cat([counts.view(c, world, e // world), tokens], 2)  # (C, W, El + 1)
-    send = send.transpose(0, 1).contiguous()  # (W, C, El + 1)
+def _exchange_counts(send: torch.Tensor, group) -> torch.Tensor:
+    """send (C, W, 3) int64, per chunk and destination rank: (tokens sent there, their (token, expert)
+    pairs, this rank's tokens in the chunk) -> the same from every source rank, (C, W, 3), in one
+    all-to-all."""
+    send = send.transpose(0, 1).contiguous()  # (W, C, 3)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
-    recv = recv.transpose(0, 1)
-    return recv[..., :-1], recv[..., -1]
+    return recv.transpose(0, 1)
 
 
 @torch.compiler.disable
-def _host_splits(send_CW: torch.Tensor, recv_CW: torch.Tensor) -> tuple[list, list]:
-    both = torch.stack([send_CW, recv_CW]).tolist()  # the one host sync of the "host" path
-    return both[0], both[1]
+def _host_splits(*counts: torch.Tensor) -> list:
+    return torch.stack(counts).tolist()  # the one host sync of the "host" path
 
 
 # --------------------------------------------------------------------------------------------------
@@ -269,10 +257,10 @@ def _host_splits(send_CW: torch.Tensor, recv_CW: torch.Tensor) -> tuple[list, li
 
 
 class _Chunk:
-    """One slice of the tokens on its way: its routing, its exchanges and its buffers."""
+    """One slice [t0, t1) of the tokens on its way: its choices, its exchanges and its buffers."""
 
-    def __init__(self, t0: int, t1: int, routing: Routing):
-        self.t0, self.t1, self.routing = t0, t1, routing
+    def __init__(self, t0: int, t1: int, experts: torch.Tensor, weights: torch.Tensor):
+        self.t0, self.t1, self.experts, self.weights = t0, t1, experts, weights
 
 
 class ExpertParallelMoE(nn.Module):
@@ -456,77 +444,83 @@ class ExpertParallelMoE(nn.Module):
             self.tokens_per_expert += r.counts
         self.aux_loss = r.aux_loss
         chunks = self._chunks(r, x2.shape[0])
-        counts_CE = torch.stack([c.routing.counts for c in chunks])
-        recv_counts, recv_tokens = _exchange_counts(counts_CE, self.top_k, self.world, self.group)
-        if self.splits == "device":  # fixed slots need the same token count on every rank (checked on the device)
-            mine = counts_CE.long().sum(1, keepdim=True) // self.top_k  # (C, 1)
-            torch._assert_async((recv_tokens == mine).all(),
+        device = self.splits == "device"
+        for c in chunks:  # everything that needs no buffer size, ahead of the host sync
+            self._plan(c, device)
+        send = torch.stack([torch.stack([c.plan.tokens, c.plan.pairs, torch.full_like(c.plan.tokens, c.t1 - c.t0)], 1)
+                            for c in chunks])  # (C, W, 3)
+        recv = _exchange_counts(send, self.group)  # (C, W, 3)
+        if device:  # fixed slots need the same token count on every rank (checked on the device)
+            torch._assert_async((recv[..., 2] == send[..., 2]).all(),
                                 "ExpertParallelMoE: splits='device' needs the same number of tokens on every rank")
-        send_counts = torch.stack([c.routing.counts.view(self.world, -1).sum(1) for c in chunks])  # (C, W)
-        host = _host_splits(send_counts, recv_counts.sum(2)) if self.splits == "host" else None
+            host = None
+        else:
+            host = _host_splits(send[..., 0], recv[..., 0], recv[..., 1])
         scaled = self.experts.mlp2_bias_ED is None  # weights applied before the (linear) down-projection
         for i, c in enumerate(chunks):
-            self._dispatch(c, x2, send_counts[i], recv_counts[i], host and (host[0][i], host[1][i]), scaled)
+            self._dispatch(c, x2, host and (host[0][i], host[1][i], sum(host[2][i])))
         for c in chunks:
             self._experts(c, scaled)
-        outs = [self._combine(c, scaled) for c in chunks]
+        outs = [self._combine(c) for c in chunks]
         y = outs[0] if len(outs) == 1 else torch.cat(outs)
         return y if y.shape == shape else y.reshape(shape)  # not a view where it need not be (FSDP2 warns)
 
     def _chunks(self, r: Routing, tokens: int) -> list[_Chunk]:
-        if self.chunks == 1:
-            return [_Chunk(0, tokens, r)]
         bounds = [tokens * i // self.chunks for i in range(self.chunks + 1)]
-        chunks = []
-        for t0, t1 in zip(bounds[:-1], bounds[1:], strict=True):
-            experts = r.experts[t0:t1]
-            counts, offs, token_idx, row_of = routing_metadata(experts, self.num_experts)
-            chunks.append(_Chunk(t0, t1, Routing(r.weights[t0:t1], experts, counts, offs, token_idx, row_of)))
-        return chunks
+        return [_Chunk(t0, t1, r.experts[t0:t1], r.weights[t0:t1])
+                for t0, t1 in zip(bounds[:-1], bounds[1:], strict=True)]
 
-    def _dispatch(self, c: _Chunk, x2, send_counts_W, recv_counts_WE, host, scaled: bool) -> None:
-        """Start the chunk's all-to-alls of its routed rows (and their routing weights when ``scaled``)."""
-        r = c.routing
-        rows = gather_rows(x2[c.t0 : c.t1], r)  # (R_c, D) sorted by expert, so grouped by owner rank
-        scale = sorted_weights(r.weights, r.row_of) if scaled else None  # (R_c,) fp32
-        r_c = rows.shape[0]
-        if host is None:
-            cap = (c.t1 - c.t0) * min(self.top_k, self.local_experts)
-            c.send_pos = _slot_positions(send_counts_W, cap, r_c)
-            c.ex = _Exchange(self.group, self.world * cap, self.world * cap)
-            rows = ScatterRowsFn.apply(rows, c.send_pos, self.world * cap)
-            scale = None if scale is None else ScatterRowsFn.apply(scale, c.send_pos, self.world * cap)
-            slot_rows = torch.full((self.world,), cap, device=rows.device, dtype=torch.int64)
+    def _plan(self, c: _Chunk, device: bool) -> None:
+        """The chunk's send plan, and its tokens' choices as the cells of an (S, 2K) fp32 table to send
+        beside the rows: for each row, the K routing weights, then the K local expert ids + 1 as int32
+        bits (0, read as id -1: the choice is on another rank). Cell (r, j) is at r*2K + j."""
+        k = self.top_k
+        c.plan = p = send_plan(c.experts, self.local_experts, self.world, cap=(c.t1 - c.t0) if device else None)
+        col = torch.arange(k, device=p.row.device)
+        c.cell = torch.cat([(p.row * 2 * k + col).reshape(-1), (p.row * 2 * k + k + col).reshape(-1)])
+        ids = (p.local + 1).view(torch.float32).reshape(-1)
+        c.cell_value = torch.cat([c.weights.float().reshape(-1), ids])  # (differentiable in the weights)
+
+    def _dispatch(self, c: _Chunk, x2, host) -> None:
+        """Start the chunk's all-to-alls: each token once to every rank that holds one of its experts,
+        and its choices there."""
+        if host is None:  # fixed slots: a rank gets each token at most once
+            s = n = self.world * (c.t1 - c.t0)
+            send_l = recv_l = c.pairs = None
         else:
-            send, recv = host
-            c.send_pos = None
-            c.ex = _Exchange(self.group, r_c, sum(recv), send, recv)
-            slot_rows = recv_counts_WE.sum(1)
-        c.pos, c.local_counts = arrival_order(recv_counts_WE, slot_rows, c.ex.out_rows)
+            send_l, recv_l, c.pairs = host
+            s, n = sum(send_l), sum(recv_l)
+        rows = gather_token_rows(x2[c.t0 : c.t1], c.plan.send_tok[:s], c.plan.pos)  # (S, D)
+        meta = ScatterRowsFn.apply(c.cell_value, c.cell, s * 2 * self.top_k).view(s, 2 * self.top_k)
+        c.ex = _Exchange(self.group, s, n, send_l, recv_l)
+        c.ex_meta = _Exchange(self.group, s, n, send_l, recv_l)
         c.rows = all_to_all_start(rows, c.ex)
-        if scale is not None:
-            c.ex_scale = _Exchange(self.group, c.ex.in_rows, c.ex.out_rows, c.ex.in_splits, c.ex.out_splits)
-            c.scale = all_to_all_start(scale, c.ex_scale)
+        c.meta = all_to_all_start(meta, c.ex_meta)
 
     def _experts(self, c: _Chunk, scaled: bool) -> None:
-        """Wait for the chunk's rows, run this rank's experts on them, and start the combine."""
-        b = c.ex.out_rows
-        x_local = ScatterRowsFn.apply(all_to_all_wait(c.rows, c.ex), c.pos, b)  # (B, D) by local expert
-        scale = None
-        if scaled:
-            scale = ScatterRowsFn.apply(all_to_all_wait(c.scale, c.ex_scale), c.pos, b)  # (B,) fp32
-        y = self.experts(x_local, c.local_counts, None, None, scale)  # rows past sum(counts) -> 0
-        back = _Exchange(self.group, b, c.ex.in_rows, c.ex.out_splits, c.ex.in_splits)
-        c.back = back
-        c.out = all_to_all_start(GatherRowsFn.apply(y, c.pos), back)
+        """Wait for the chunk's tokens, run this rank's experts on them as :class:`moekit.MoE` does (each
+        token's choices on other ranks dropped), sum each token's local outputs, and start sending the
+        sums back."""
+        k = self.top_k
+        x_recv = all_to_all_wait(c.rows, c.ex)  # (N, D) by source rank, each source's in token order
+        meta = all_to_all_wait(c.meta, c.ex_meta)
+        weights = meta[:, :k]
+        ids = meta[:, k:].detach().contiguous().view(torch.int32) - 1
+        counts, _, token_idx, row_of = routing_metadata(ids, self.local_experts)  # -1 (other ranks): dropped
+        scale = sorted_weights(weights, row_of) if scaled else None
+        if c.pairs is not None:  # host splits: the rows of this rank's choices only, the others absent
+            rows = c.pairs
+            token_idx, row_of = token_idx[:rows], torch.where(row_of < rows, row_of, -1)
+            scale = None if scale is None else scale[:rows]
+        # (device splits: every choice keeps a row; those of other ranks' experts lie past offs[-1], zero)
+        y = self.experts(x_recv, counts, token_idx, row_of, scale)
+        part = combine(y, None if scaled else weights, row_of)  # (N, D) this rank's share of each token
+        c.back = c.ex.reverse()
+        c.out = all_to_all_start(part, c.back)
 
-    def _combine(self, c: _Chunk, scaled: bool) -> torch.Tensor:
-        """Wait for the chunk's expert outputs and sum each token's K rows, weighted, in fp32."""
-        y = all_to_all_wait(c.out, c.back)
-        if c.send_pos is not None:
-            y = GatherRowsFn.apply(y, c.send_pos)  # (R_c, D) in the chunk's expert-sorted order
-        r = c.routing
-        return combine(y, None if scaled else r.weights, r.row_of)
+    def _combine(self, c: _Chunk) -> torch.Tensor:
+        """Wait for the chunk's partial outputs and sum each token's (at most W) shares in fp32."""
+        return combine(all_to_all_wait(c.out, c.back), None, c.plan.pos)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, rank={self.rank}/{self.world} holds [{self.expert_start}, "
@@ -534,4 +528,4 @@ class ExpertParallelMoE(nn.Module):
                 f"chunks={self.chunks}")
 
 
-__all__ = ["ExpertParallelMoE", "arrival_order", "arrival_order_ref"]
+__all__ = ["ExpertParallelMoE", "SendPlan", "send_plan", "send_plan_ref"]

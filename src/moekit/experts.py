@@ -528,7 +528,9 @@ def grouped_mm_swiglu(
     Permute-free dispatch: with ``token_idx`` (R,) and ``row_of`` (T, K) int32 from
     :func:`moekit.topk_router`, x is the (T, D) token matrix and the GEMM reads row r as
     x[token_idx[r]] itself; no permuted copy of x is made or saved, and the gradient to x sums each
-    token's K rows without atomics. h and aux then have R rows.
+    token's K rows without atomics. h and aux then have R rows. R may be less than T*K (expert
+    parallelism keeps only the choices on its rank): a negative row_of entry is a choice with no row,
+    and the non-negative entries name every row once.
 
     Row scales: with ``row_scale`` (M,) float32 (in the MoE block, each routed row's routing weight),
     ``h`` = row_scale[:, None] * SwiGLU(aux), multiplied in fp32 before rounding. Since the
@@ -547,8 +549,8 @@ def grouped_mm_swiglu(
         raise ValueError("grouped_mm_swiglu: token_idx and row_of go together (both from topk_router)")
     if token_idx is not None:
         ok = token_idx.dtype == row_of.dtype == torch.int32 and token_idx.dim() == 1 and row_of.dim() == 2
-        if not ok or row_of.shape[0] != x.shape[0] or token_idx.numel() != row_of.numel():
-            raise ValueError("grouped_mm_swiglu: token_idx (R,) and row_of (T, K) must be int32 with R = T*K")
+        if not ok or row_of.shape[0] != x.shape[0] or token_idx.numel() > row_of.numel():
+            raise ValueError("grouped_mm_swiglu: token_idx (R,) and row_of (T, K) must be int32 with R <= T*K")
     _check_row_scale("grouped_mm_swiglu", row_scale, x.shape[0] if token_idx is None else token_idx.numel(), x.device)
     if not config.uses_triton(x.device):
         rows = x if token_idx is None else x[token_idx.long()]

@@ -101,8 +101,11 @@ def topk_weights_grad(dw: torch.Tensor, scores: torch.Tensor, experts: torch.Ten
 
 
 def combine_ref(y: torch.Tensor, weights: torch.Tensor | None, row_of: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum_k weights[t, k] * y[row_of[t, k]] in fp32 (weights=None: plain sum), in y.dtype."""
-    gathered = y[row_of.long()].float()  # (T, K, D)
+    """out[t] = sum_k weights[t, k] * y[row_of[t, k]] in fp32 (weights=None: plain sum), in y.dtype; a
+    negative row_of entry is an absent choice, which adds nothing."""
+    idx = row_of.long()
+    y = torch.cat([y, y.new_zeros((1, *y.shape[1:]))])  # absent choices read this zero row
+    gathered = y[torch.where(idx >= 0, idx, y.shape[0] - 1)].float()  # (T, K, D)
     if weights is not None:
         gathered = gathered * weights.float()[..., None]
     return gathered.sum(1).to(y.dtype)
@@ -475,8 +478,10 @@ def combine(y: torch.Tensor, weights: torch.Tensor | None, row_of: torch.Tensor)
 
     y (R, D) expert outputs in expert-sorted order; weights (T, K) float (used in fp32), or None for a
     plain sum (rows already weighted, as :class:`moekit.MoE` does when its experts have no output
-    bias); row_of (T, K) int32 rows of y, each in [0, R) (not checked on the device: a row outside
-    reads out of bounds). Deterministic forward and backward (gradients to y and weights)."""
+    bias); row_of (T, K) int32 rows of y, each in [0, R) or negative for an absent choice, which adds
+    nothing and gets a zero weight gradient (not checked on the device: a row at or past R reads out
+    of bounds). Deterministic forward and backward (gradients to y and weights; the rows of y that no
+    entry names get no gradient written: the caller must not read them)."""
     if y.dim() != 2 or row_of.dim() != 2 or (weights is not None and weights.shape != row_of.shape):
         got = "None" if weights is None else tuple(weights.shape)
         raise ValueError(f"combine: y (R, D), weights (T, K) or None and row_of (T, K), got {tuple(y.shape)}, "
@@ -502,6 +507,14 @@ def sorted_weights(weights: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
 
 def gather_rows(x: torch.Tensor, routing: Routing) -> torch.Tensor:
     """x (T, D) -> (R, D) rows in expert-sorted order; the backward sums each token's K rows (no atomics)."""
+    return gather_token_rows(x, routing.token_idx, routing.row_of)
+
+
+def gather_token_rows(x: torch.Tensor, token_idx: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+    """x (T, D) -> (R, D) with row r = x[token_idx[r]], given both directions of the map: token_idx (R,)
+    and row_of (T, K) int32, where the non-negative row_of[t, k] are the rows of token t
+    (token_idx[row_of[t, k]] = t), each named once, and every row is named. The backward sums
+    dx[t] = sum_k grad[row_of[t, k]] without atomics."""
     if not config.uses_triton(x.device):
-        return x[routing.token_idx.long()]
-    return _gather_op(x, routing.token_idx, routing.row_of)
+        return x[token_idx.long()]
+    return _gather_op(x, token_idx, row_of)

@@ -128,8 +128,9 @@ def _combine_kernel(
     mask = (tok[:, None] < T) & (cols[None, :] < D)
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     for k in tl.static_range(K):  # a fixed order over k: deterministic
-        rows = tl.load(row_of + tok * K + k, mask=tok < T, other=0)
-        vals = tl.load(y + rows[:, None].to(tl.int64) * stride_y + cols[None, :], mask=mask, other=0.0)
+        rows = tl.load(row_of + tok * K + k, mask=tok < T, other=-1)  # negative: an absent choice
+        here = mask & (rows[:, None] >= 0)
+        vals = tl.load(y + rows[:, None].to(tl.int64) * stride_y + cols[None, :], mask=here, other=0.0)
         if w is not None:
             vals = vals.to(tl.float32) * tl.load(w + tok * K + k, mask=tok < T, other=0.0)[:, None]
         acc += vals.to(tl.float32)
@@ -149,17 +150,17 @@ def _combine_bwd_kernel(
             mask = tok_ok[:, None] & (cols[None, :] < D)
             g = tl.load(dout + tok[:, None].to(tl.int64) * stride_dout + cols[None, :], mask=mask, other=0.0)
             for k in tl.static_range(K):
-                rows = tl.load(row_of + tok * K + k, mask=tok_ok, other=0)
+                rows = tl.load(row_of + tok * K + k, mask=tok_ok, other=-1)  # negative: an absent choice
                 tl.store(dy + rows[:, None].to(tl.int64) * stride_dy + cols[None, :], g.to(dy.dtype.element_ty),
-                         mask=mask)
+                         mask=mask & (rows[:, None] >= 0))
     else:
         for k in tl.static_range(K):
-            rows = tl.load(row_of + tok * K + k, mask=tok_ok, other=0)
+            rows = tl.load(row_of + tok * K + k, mask=tok_ok, other=-1)  # negative: an absent choice (dw 0)
             scale = tl.load(w + tok * K + k, mask=tok_ok, other=0.0)
             dot = tl.zeros((BLOCK_T,), dtype=tl.float32)
             for d0 in range(0, D, BLOCK_D):
                 cols = d0 + tl.arange(0, BLOCK_D)
-                mask = tok_ok[:, None] & (cols[None, :] < D)
+                mask = tok_ok[:, None] & (cols[None, :] < D) & (rows[:, None] >= 0)
                 g = tl.load(dout + tok[:, None].to(tl.int64) * stride_dout + cols[None, :], mask=mask, other=0.0)
                 g = g.to(tl.float32)
                 tl.store(dy + rows[:, None].to(tl.int64) * stride_dy + cols[None, :],
