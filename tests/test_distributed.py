@@ -516,10 +516,12 @@ def test_ep_cost_model_prints_its_table(capsys):
     assert [row.split(" | ")[2] for row in rows] == ["2", "4", "8"] * 2
     shape = BLOCK_SHAPES["gpt-oss-20b"]  # T = 24576, K = 4, D = F = 2880, E = 32
     cost = ep_model.layer_cost(shape, 2, 450.0, 5.0, 600.0)
-    rows_off = 24576 * 4 / 2  # half of a rank's routed rows leave it
-    assert cost.host_mb == pytest.approx(rows_off * 2880 * 2 / 1e6)
-    assert cost.a2a_host == pytest.approx(4 * (5e-3 + rows_off * 2880 * 2 / 450e9 * 1e3))
-    assert cost.a2a_device == pytest.approx(4 * (5e-3 + 24576 * 4 * 2880 * 2 / 450e9 * 1e3))  # one slot of T*K rows
+    p = 1 - (16 * 15 * 14 * 13) / (32 * 31 * 30 * 29)  # some of a token's 4 experts among the other 16
+    rows_off = 24576 * p  # token rows leaving a rank
+    out_b, back_b = 2880 * 2 + 8 * 4, 2880 * 2  # a row and its choices out; a row back
+    assert cost.host_mb == pytest.approx(rows_off * out_b / 1e6)
+    assert cost.a2a_host == pytest.approx(4 * 5e-3 + 2 * rows_off * (out_b + back_b) / 450e9 * 1e3)
+    assert cost.a2a_device == pytest.approx(4 * 5e-3 + 2 * 24576 * (out_b + back_b) / 450e9 * 1e3)  # a slot of T rows
     assert cost.compute == pytest.approx(18 * 24576 * 4 * 2880 * 2880 / 600e12 * 1e3)
     assert cost.exposed[1] == pytest.approx(cost.a2a_host)  # one chunk overlaps nothing
     assert cost.exposed[8] < cost.exposed[2] < cost.exposed[1]

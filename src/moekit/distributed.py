@@ -1,34 +1,43 @@
 """Expert parallelism on ``torch.distributed``: :class:`ExpertParallelMoE`.
 
 Legend: T tokens on this rank, K experts per token, E experts in all, W ranks in the expert-parallel
-(EP) group, El = E / W experts per rank, R = T*K routed rows of this rank, D model dim, F expert hidden
-dim, C chunks, B rows of a receive buffer.
+(EP) group, El = E / W experts per rank, D model dim, F expert hidden dim, C chunks, S rows this rank
+sends, N tokens it receives.
 
 Rank w holds experts [w*El, (w+1)*El) (a contiguous block of expert ids) and a replica of the router.
-Each rank routes its own T tokens over all E experts, exactly as :class:`moekit.MoE` does. Its routed
-rows, already sorted by expert id and therefore grouped by owning rank, go by all-to-all to the ranks
-that own their experts (*dispatch*). On arrival they are grouped by source rank; a device-side
-permutation (:func:`arrival_order`) sorts them by local expert, source rank second, and
-:class:`moekit.GroupedExperts` runs over them with device counts. Their outputs go back by the reverse
-all-to-all (*combine*) and are summed over each token's K rows in fp32 by :func:`moekit.combine`. The
-numerics are :class:`moekit.MoE`'s: with expert output biases the routing weights scale the rows in
-the combine; without them the weights travel with the rows (an (R,) fp32 all-to-all) and scale each
-row's SwiGLU output in the up-projection's epilogue.
+Each rank routes its own T tokens over all E experts, exactly as :class:`moekit.MoE` does. A token
+then goes once to every rank that holds at least one of its K experts (*dispatch*; :func:`send_plan`
+lays out the send buffer on the device), with its K choices beside it: the routing weights, and the
+expert ids local to that rank, -1 where a choice lies on another rank. A rank sends S <= T*min(K, W)
+rows instead of one per choice (T*K): at K = 8 and W = 2, about a quarter of them. The receiving rank
+treats its N tokens as :class:`moekit.MoE` treats its input: :func:`moekit.routing_metadata` orders
+the choices on it by expert (those on other ranks dropped), :class:`moekit.GroupedExperts` reads the
+token rows in place, and :func:`moekit.combine` sums each token's outputs there in fp32 (the absent
+choices add nothing). That per-rank share of each token goes back by the reverse all-to-all
+(*combine*), and the source sums its tokens' (at most W) shares in fp32. With expert output biases the
+routing weights scale the rows in the receiving rank's combine; without them they scale each row's
+SwiGLU output in the up-projection's epilogue, as in :class:`moekit.MoE`.
 
-Split sizes, the option ``splits``. Both start with an all-to-all of a (W, C, El) counts tensor that
-tells every rank how many rows each source sends for each of its experts.
+Numerics: routing and every expert row are :class:`moekit.MoE`'s (a rank's rows of one expert come in
+source rank order, each source's in token order: the single-process order of the concatenated
+tokens), so the expert gradients match it; the output and dx are sums of per-rank shares each rounded
+to x.dtype, within a few bf16 ulps of it.
+
+Split sizes, the option ``splits``. Both start with an all-to-all of a (C, W, 3) counts tensor that
+tells every rank, per chunk, how many tokens and choices each source sends it.
 
 - ``"host"`` (the default, on every backend): one ``.tolist()`` of the counts (one host sync per
-  forward) gives exact split sizes, and the all-to-alls move exactly the routed rows. Ranks may pass
-  different numbers of tokens.
-- ``"device"``: no host sync, for CUDA graphs and for a host that must run ahead of the GPU. Rows go in
-  fixed slots of ``cap = T_c * min(K, El)`` rows per (source, destination) pair (the most rows a chunk
-  of T_c tokens can send one rank) by an equal-split all-to-all into a (W * cap, D) receive buffer.
-  The grouped GEMMs run over the whole buffer with device offsets; rows past the last offset come out
-  as zeros and carry zero gradients. Every rank must pass the same number of tokens. The price: the
-  link carries W * min(K, El) / K times the rows of the "host" path (W times once El >= K), and the
-  expert activations are allocated for W * cap rows; ``python -m moekit bench --ep-model`` prints
-  both paths' modelled all-to-all times.
+  forward) gives exact split sizes: the all-to-alls move exactly the tokens each rank needs, and the
+  experts run on exactly the choices. Ranks may pass different numbers of tokens. Everything that
+  needs no size (the send plan, the choice table's layout) is computed before the sync.
+- ``"device"``: no host sync, for CUDA graphs and for a host that must run ahead of the GPU. Tokens go
+  in fixed slots of T_c rows per (source, destination) pair (a rank gets each token at most once) by
+  an equal-split all-to-all into a (W * T_c, D) receive buffer; the experts run over W*T_c*K choice
+  rows with device offsets, those of other ranks (and of empty slots) past the last offset, where they
+  come out as zeros and carry zero gradients. Every rank must pass the same number of tokens. The
+  price: W*T_c rows on the link against the tokens that need to go (about the same at K = 8 when El
+  >= 8), and expert activations for W*T_c*K rows; ``python -m moekit bench --ep-model`` prints both
+  paths' modelled all-to-all times.
 
 No token is ever dropped: there is no capacity limit.
 
@@ -36,10 +45,9 @@ Overlap, the option ``chunks`` (default 1): the tokens are cut into C contiguous
 dispatch is started (``async_op=True``) before any expert computation, and each slice's combine is
 started as soon as its experts finish, so the all-to-alls of one slice run while the GEMMs of another
 do. The backward overlaps the same way: each reverse all-to-all is started by one autograd node and
-waited on by another. Expert-weight gradients then add up slice by slice. Measured on two H200s, C > 1
+waited on by another. Expert-weight gradients then add up slice by slice. Measured on four H200s, C > 1
 was slower than C = 1 at gpt-oss-120b and qwen3-30b-a3b: each slice repeats the host's per-op cost
-while its GPU work shrinks, and NCCL's kernels wait for SMs that the GEMMs hold (docs/design.md,
-section 15).
+while its GPU work shrinks (docs/design.md, section 15).
 
 Gradients: the collectives are autograd functions whose backward is the reverse all-to-all, so the
 backward is a collective too (every rank runs it; x requires grad on all ranks or on none).

@@ -3,10 +3,12 @@ against its expert GEMMs, per MoE layer and rank. A model, not a measurement.
 
 Assumptions (per rank, T tokens, K experts per token, R = T*K routed rows, W ranks, El = E/W):
 
-- balanced routing: each rank computes R expert rows, and R*(W-1)/W of its routed rows leave it;
-- rows travel as D bf16 values (the bias-free block adds 4 bytes of routing weight per row, ignored);
-- "host" splits send exactly those rows; "device" splits send a fixed slot of T*min(K, El) rows to each
-  of the W-1 other ranks;
+- balanced, uniform routing: each rank computes R expert rows, and a token goes to another given rank
+  (once, whatever the number of its experts there) with probability p = 1 - C(E - El, K) / C(E, K), so
+  T*(W-1)*p token rows leave a rank;
+- a token row is D bf16 values, with its K choices beside it on the way out (2K fp32: 8K bytes);
+- "host" splits send exactly those rows; "device" splits send a fixed slot of T rows to each of the
+  W-1 other ranks;
 - one all-to-all costs ``latency + bytes sent / bandwidth`` (bandwidth per direction per GPU: every
   rank sends and receives at once over a non-blocking switch);
 - four all-to-alls per layer and step: dispatch and combine forward, their reverses backward;
@@ -19,6 +21,7 @@ Assumptions (per rank, T tokens, K experts per token, R = T*K routed rows, W ran
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from . import BLOCK_SHAPES, MoEShape
@@ -42,25 +45,36 @@ class LayerCost:
     exposed: dict
 
 
-def _a2a_ms(rows: float, d: int, gbs: float, latency_us: float, chunks: int = 1) -> float:
-    """One chunk's all-to-all: latency + its share of ``rows`` D-wide bf16 rows over the link."""
-    return latency_us * 1e-3 + rows * d * 2 / chunks / (gbs * 1e9) * 1e3
+def _a2a_ms(rows: float, row_bytes: float, gbs: float, latency_us: float, chunks: int = 1) -> float:
+    """One chunk's all-to-all: latency + its share of ``rows`` rows of ``row_bytes`` over the link."""
+    return latency_us * 1e-3 + rows * row_bytes / chunks / (gbs * 1e9) * 1e3
+
+
+def off_rank_share(shape: MoEShape, world: int) -> float:
+    """The probability that a token goes to a given other rank: one of its K (distinct, uniformly
+    chosen) experts is among that rank's El."""
+    return 1.0 - math.comb(shape.e - shape.e // world, shape.top_k) / math.comb(shape.e, shape.top_k)
 
 
 def layer_cost(shape: MoEShape, world: int, gbs: float, latency_us: float, tflops: float) -> LayerCost:
     """The model for one shape (``shape.tokens`` tokens per rank) at EP size ``world``."""
     r = shape.tokens * shape.top_k
-    off_rank = r * (world - 1) / world
-    slots = (world - 1) * shape.tokens * min(shape.top_k, shape.e // world)
+    off_rank = shape.tokens * (world - 1) * off_rank_share(shape, world)
+    slots = shape.tokens * (world - 1)
+    out_bytes, back_bytes = shape.d * 2 + 8 * shape.top_k, shape.d * 2  # (a token's choices go with it)
+
+    def a2a(rows, chunks=1):  # one dispatch and one combine
+        return _a2a_ms(rows, out_bytes, gbs, latency_us, chunks) + _a2a_ms(rows, back_bytes, gbs, latency_us, chunks)
+
     fwd = 6 * r * shape.d * shape.f / (tflops * 1e12) * 1e3
     exposed = {}
     for c in CHUNKS:
-        a = _a2a_ms(off_rank, shape.d, gbs, latency_us, c)
+        a = a2a(off_rank, c) / 2  # a chunk's all-to-all, on average
         exposed[c] = sum(max(g + 2 * a, 2 * c * a + g / c) - g for g in (fwd, 2 * fwd))
     return LayerCost(
-        host_mb=off_rank * shape.d * 2 / 1e6,
-        a2a_host=4 * _a2a_ms(off_rank, shape.d, gbs, latency_us),
-        a2a_device=4 * _a2a_ms(slots, shape.d, gbs, latency_us),
+        host_mb=off_rank * out_bytes / 1e6,
+        a2a_host=2 * a2a(off_rank),
+        a2a_device=2 * a2a(slots),
         compute=3 * fwd,
         exposed=exposed,
     )
@@ -79,9 +93,10 @@ def table(shapes, links: dict, tflops: float, ep_sizes=EP_SIZES) -> str:
     lines = [
         "Expert-parallel cost model: a model, not a measurement. Per MoE layer and rank, forward + backward,",
         f"balanced routing, bf16 rows, expert GEMMs at {tflops:g} TF/s sustained (moekit.bench.ep_model states",
-        "the assumptions). a2a: the four all-to-alls (dispatch, combine and their reverses) with host splits",
-        "(exact sizes) or device splits (a T*min(K, El)-row slot per peer). exposed: the all-to-all time that",
-        "chunked overlap leaves on the critical path (host splits).",
+        "the assumptions). a2a: the four all-to-alls (dispatch, combine and their reverses), each token sent",
+        "once per rank that holds one of its experts, with host splits (exact sizes) or device splits (a",
+        "T-row slot per peer). exposed: the all-to-all time that chunked overlap leaves on the critical path",
+        "(host splits).",
     ]
     for name, (gbs, latency_us) in links.items():
         lines += ["", f"### {name}: {gbs:g} GB/s per direction, {latency_us:g} us per all-to-all", "",
