@@ -279,7 +279,8 @@ class ExpertParallelMoE(nn.Module):
     - ``group``: the EP process group (default: the world). Rank w of W holds experts
       [w*E/W, (w+1)*E/W); E must be divisible by W.
     - ``splits``: "host" (the default: one ``.tolist()`` per forward, exact sizes) or "device" (no host
-      sync, fixed-size slots, W*min(K, El)/K times the rows on the link). See the module docstring.
+      sync, fixed slots of T tokens per rank pair, and expert work over W*T*K choice rows). See the
+      module docstring.
     - ``chunks``: C >= 1 token slices whose all-to-alls overlap each other's expert GEMMs.
 
     ``aux_loss=True`` leaves the load-balancing loss of this rank's tokens in ``self.aux_loss`` (a
