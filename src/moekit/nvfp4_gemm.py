@@ -123,6 +123,20 @@ def grouped_mm_nvfp4_ref(
 # launcher
 # --------------------------------------------------------------------------------------------------
 
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _one(device: torch.device) -> torch.Tensor:
+    """A () fp32 tensor holding 1 on ``device``, made once per device (not during a CUDA-graph capture,
+    whose memory pool would own it: a capture that comes first makes its own)."""
+    one = _ONES.get(device)
+    if one is None:
+        one = torch.ones((), dtype=torch.float32, device=device)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _ONES[device] = one
+    return one
+
+
 def grouped_mm_nvfp4_fwd(
     a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out_dtype,
     cfg: config.TileConfig | None = None,
@@ -144,8 +158,7 @@ def grouped_mm_nvfp4_fwd(
     programs = min(config.num_sms(a_values.device) * cfg.programs_per_sm, max_tiles)
     op_dtype = torch.float32 if config.is_interpreting() else torch.bfloat16
     if cfg.swap:  # A decoded once (exact: value * block scale), not once per column tile
-        one = torch.ones((), dtype=torch.float32, device=a_values.device)
-        av = asc = dequantize(a_values.view(FP4), a_scales.view(E4M3), one, dtype=op_dtype)
+        av = asc = dequantize(a_values.view(FP4), a_scales.view(E4M3), _one(a_values.device), dtype=op_dtype)
     else:
         av, asc = a_values.view(torch.uint8), a_scales.view(torch.uint8)
     wv, wsc = w_values.view(torch.uint8), w_scales.view(torch.uint8)
