@@ -1,7 +1,8 @@
 """Expert-parallel weak scaling on one host: the MoE block at EP 1 and EP W, T tokens per rank.
 
     python benchmarks/ep_scaling.py [--shape qwen3-30b-a3b --shape gpt-oss-120b] [--chunks 1 --chunks 4]
-                                    [--sm-margin 0 --sm-margin 16] [--profile] [--world W] [--out table.md]
+                                    [--sm-margin 0 --sm-margin 16] [--graph] [--profile] [--world W]
+                                    [--out table.md]
 
 One process per GPU (NCCL; on a machine without GPUs, gloo over CPU processes and the reference path,
 as a smoke test). Every shape runs in its own configuration (``--config auto``: gpt-oss's biases and
@@ -13,7 +14,9 @@ tokens on every rank, routed by the block's own router (random weights, so about
 - **EP W**: ``ExpertParallelMoE`` over the W ranks (E/W experts each) on the same per-rank tokens,
   for each ``--chunks`` C (C = 1: no overlap; C > 1: a chunk's all-to-alls run under another
   chunk's GEMMs) and each ``--sm-margin`` (SMs the persistent GEMMs leave to NCCL's kernels) with
-  host splits, and once with device splits at the largest C and margin. ``--profile`` adds, from
+  host splits, and once with device splits at the largest C and margin; ``--graph`` adds each C on
+  device splits with the whole step replayed from a CUDA graph (no host cost), against EP 1 replayed
+  from a graph too. ``--profile`` adds, from
   one profiled pair of steps on rank 0, how long the NCCL kernels ran and what share of that time a
   compute kernel ran beside them.
 - **all-to-all**: the layer's exchanges alone, timed on their own with the sizes of the C = 1 step:
@@ -218,6 +221,20 @@ def _step(mod, x, dy):
     return lambda: torch.autograd.grad(mod(x), params, dy)
 
 
+def _graphed(step):
+    """``step`` captured in a CUDA graph (after two warm-up calls on a side stream): its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def _rank(rank: int, world: int, folder: str, args: dict) -> None:
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -242,6 +259,8 @@ def _rank(rank: int, world: int, folder: str, args: dict) -> None:
 
         row = {"shape": name, "config": config, "tokens": tokens, "world": world}
         row["ep1"] = _timed(_step(moe, x, dy), dev, args["warmup"], args["reps"], collective=True)
+        if args["graph"] and cuda:  # the yardstick of the graphed EP runs
+            row["ep1_graph"] = _timed(_graphed(_step(moe, x, dy)), dev, args["warmup"], args["reps"], collective=True)
         if args["profile"] and cuda:
             row["ep1_busy"] = _stream_busy(_step(moe, x, dy), folder, rank)
         if args["cprofile"] and cuda:
@@ -249,11 +268,13 @@ def _rank(rank: int, world: int, folder: str, args: dict) -> None:
         row["a2a"], row["a2a_mib"] = _alltoall_ms(moe, x.detach(), world, dev, args["warmup"], args["reps"])
         runs = [("host", c, m) for c in args["chunks"] for m in args["margins"]]
         runs.append(("device", max(args["chunks"]), max(args["margins"])))
+        if args["graph"] and cuda:
+            runs += [("graph", c, max(args["margins"])) for c in args["chunks"]]
         row["ep"] = {}
         for splits, chunks, margin in runs:
-            ep = ExpertParallelMoE.from_moe(moe, splits=splits, chunks=chunks)
+            ep = ExpertParallelMoE.from_moe(moe, splits="device" if splits == "graph" else splits, chunks=chunks)
             with moekit.options(sm_margin=margin):
-                step = _step(ep, x, dy)
+                step = _step(ep, x, dy) if splits != "graph" else _graphed(_step(ep, x, dy))
                 ms = _timed(step, dev, args["warmup"], args["reps"], collective=True)
                 keep = args["trace_dir"] and os.path.join(args["trace_dir"], f"{name}-{splits}-{chunks}-{margin}.json")
                 busy = _stream_busy(step, folder, rank, keep=keep) if args["profile"] and cuda else None
@@ -290,15 +311,18 @@ def table(rows: list[dict], command: str) -> str:
         b1 = r.get("ep1_busy") or {}
         comp1 = f"{b1['compute']:.2f} | {b1['idle']:.2f}" if b1 else "- | -"
         out.append(f"{head} 1 | - | - | - | {r['ep1']:.2f} | 1.00 | - | - | - | - | - | {comp1} |")
+        if "ep1_graph" in r:
+            out.append(f"{head} 1 | graph | - | - | {r['ep1_graph']:.2f} | 1.00 | - | - | - | - | - | - | - |")
         for key, m in r["ep"].items():
             splits, chunks, margin = key.split("-")
-            exposed = m["ms"] - r["ep1"]
+            base = r["ep1_graph"] if splits == "graph" else r["ep1"]  # graphed EP against graphed EP 1
+            exposed = m["ms"] - base
             hidden = 1 - exposed / r["a2a"] if r["a2a"] > 0 else float("nan")
             busy = m.get("busy") or {}
             nccl = f"{busy['nccl']:.2f}" if busy else "-"
             under = f"{busy['overlap'] / busy['nccl']:.0%}" if busy and busy["nccl"] > 0 else "-"
             comp = f"{busy['compute']:.2f} | {busy['idle']:.2f}" if busy else "- | -"
-            eff = r["ep1"] / m["ms"]
+            eff = base / m["ms"]
             hidden = f"{min(max(hidden, 0.0), 1.0):.0%}"
             out.append(f"{head} {r['world']} | {splits} | {chunks} | {margin} | {m['ms']:.2f} | {eff:.2f} "
                        f"| {exposed:.2f} | {r['a2a']:.2f} | {hidden} | {nccl} | {under} | {comp} |")
@@ -334,6 +358,8 @@ def main(argv=None) -> str:
     p.add_argument("--sm-margin", action="append", type=int, dest="margins",
                    help="SMs the persistent GEMMs leave to NCCL in the EP runs (moekit's sm_margin option)")
     p.add_argument("--profile", action="store_true", help="profile one pair of steps per EP run (GPUs)")
+    p.add_argument("--graph", action="store_true",
+                   help="also time each chunk count on device splits with the whole step replayed from a CUDA graph")
     p.add_argument("--trace-dir", help="with --profile: keep rank 0's Chrome trace of each EP run here")
     p.add_argument("--cprofile", action="store_true", help="rank 0's host profile of each EP run with margin 0")
     p.add_argument("--world", type=int, help="ranks (default: every GPU; 2 CPU processes without GPUs)")
@@ -346,7 +372,7 @@ def main(argv=None) -> str:
     world = a.world or (torch.cuda.device_count() if cuda else 2)
     args = dict(shapes=a.shapes or (["qwen3-30b-a3b", "gpt-oss-120b"] if cuda else ["tiny-cpu"]),
                 config=a.config, chunks=a.chunks or [1, 4], margins=a.margins or [0],
-                profile=a.profile, cprofile=a.cprofile, trace_dir=a.trace_dir, tokens=a.tokens,
+                profile=a.profile, cprofile=a.cprofile, graph=a.graph, trace_dir=a.trace_dir, tokens=a.tokens,
                 warmup=a.warmup, reps=a.reps)
     with tempfile.TemporaryDirectory() as folder:
         ctx = mp.get_context("spawn")

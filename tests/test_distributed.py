@@ -279,7 +279,8 @@ def _ep_by_fsdp2(rank, world):
 
 def _device_splits_graph(rank, world):
     """GPUs: the device-splits path runs forward and backward with host syncs forbidden, and its
-    forward replays from a CUDA graph captured on every rank (the all-to-alls inside)."""
+    forward, then a whole step, replay from CUDA graphs captured on every rank (the all-to-alls
+    inside)."""
     torch.manual_seed(0)
     moe = MoE(D, F, E, 2, dtype=BF16, **BLOCKS["plain"])
     ep = ExpertParallelMoE.from_moe(moe, splits="device", chunks=2)
@@ -295,6 +296,7 @@ def _device_splits_graph(rank, world):
         torch.cuda.set_sync_debug_mode("default")
     assert_close(y, moe(torch.cat(xs))[64 * rank : 64 * (rank + 1)].float(), BF16, what="y")
     _forward_replays_from_a_cuda_graph(ep, x)
+    _step_replays_from_a_cuda_graph(ep, x, dys[rank])
 
 
 def _forward_replays_from_a_cuda_graph(ep, x):
@@ -314,6 +316,33 @@ def _forward_replays_from_a_cuda_graph(ep, x):
     torch.cuda.synchronize()
     with torch.no_grad():
         assert torch.equal(static_y, ep(static_x))
+
+
+def _step_replays_from_a_cuda_graph(ep, x, dy):
+    """Capture a whole training step of ep (forward, and the gradients of x and every parameter) in a
+    CUDA graph, give its inputs new values, replay, and compare with an eager step: bit for bit."""
+    static_x, static_dy = x.detach().clone().requires_grad_(), dy.clone()
+    params = [static_x, *ep.parameters()]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            torch.autograd.grad(ep(static_x), params, static_dy)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = ep(static_x)
+        static_grads = torch.autograd.grad(static_y, params, static_dy)
+    with torch.no_grad():
+        static_x.copy_(torch.randn_like(static_x))
+        static_dy.copy_(torch.randn_like(static_dy))
+    graph.replay()
+    torch.cuda.synchronize()
+    y = ep(static_x)
+    grads = torch.autograd.grad(y, params, static_dy)
+    assert torch.equal(static_y, y), "y"
+    for i, (got, want) in enumerate(zip(static_grads, grads, strict=True)):
+        assert torch.equal(got, want), f"gradient {i}"
 
 
 HOT, COLD = 1e4, -1e4
@@ -494,7 +523,7 @@ def test_needs_an_initialized_process_group():
 @pytest.mark.gpu
 def test_device_splits_have_no_host_sync_and_capture_in_a_cuda_graph(tmp_path):
     """NCCL, one rank: the device-splits path runs forward and backward with host syncs forbidden, and
-    its forward replays from a CUDA graph."""
+    its forward, then a whole step, replay from CUDA graphs."""
     dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         torch.manual_seed(0)
@@ -512,6 +541,7 @@ def test_device_splits_have_no_host_sync_and_capture_in_a_cuda_graph(tmp_path):
             torch.cuda.set_sync_debug_mode("default")
         assert_close(y, moe(x.detach()).float(), BF16, what="y")
         _forward_replays_from_a_cuda_graph(ep, x)
+        _step_replays_from_a_cuda_graph(ep, x, torch.randn_like(y))
     finally:
         dist.destroy_process_group()
 
