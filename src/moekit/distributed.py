@@ -500,6 +500,9 @@ class ExpertParallelMoE(nn.Module):
             send_l, recv_l, c.pairs = host
             s, n = sum(send_l), sum(recv_l)
         rows = gather_token_rows(x2[c.t0 : c.t1], c.plan.send_tok[:s], c.plan.pos)  # (S, D)
+        if host is None:  # the slots' unused rows hold no token (the gather leaves them unwritten): zeros
+            used = torch.arange(c.t1 - c.t0, device=rows.device) < c.plan.tokens[:, None]  # (W, T_c)
+            rows = torch.where(used.reshape(-1, 1), rows, 0)
         meta = ScatterRowsFn.apply(c.cell_value, c.cell, s * 2 * self.top_k).view(s, 2 * self.top_k)
         c.ex = _Exchange(self.group, s, n, send_l, recv_l)
         c.ex_meta = _Exchange(self.group, s, n, send_l, recv_l)
