@@ -205,7 +205,7 @@ def _from_moe_keeps_nvfp4(rank, world):
 
 def _host_splits_on_the_kernels(rank, world):
     """The Triton kernels (interpreter) on host splits: each rank's experts run on fewer rows than its
-    tokens' T*K choices (the rows past the real ones cut to one, which the dropped choices share)."""
+    tokens' T*K choices (cut to the real ones; the dropped choices are absent, -1, in row_of)."""
     with moekit.options(reference=False):
         for block in BLOCKS:
             _match_moe(rank, world, block=block, top_k=3)
@@ -352,11 +352,13 @@ CASES = {  # name: the case, run on every rank; the comment says what it covers
     # experts 1, 2 and 6 are never chosen
     **{f"empty-experts-{s}": partial(_match_moe, splits=s, bias_E=[0, COLD, COLD, 0, 0, 0, COLD, 0])
        for s in ("host", "device")},
+    # more chunks than tokens: empty chunks, device slots of 0 and 1 rows
+    "empty-chunks-device": lambda rank, world: _match_moe(rank, world, splits="device", chunks=3, tokens=[2] * world),
     # every token's first choice is expert 5: its rank gets at least T rows from every rank
     **{f"hot-expert-{s}": partial(_match_moe, splits=s, bias_E=[0] * 5 + [HOT, 0, 0]) for s in ("host", "device")},
     # no token goes to the last rank's experts (the biases are set per world size in _idle_rank)
     **{f"idle-rank-{s}": partial(_idle_rank, splits=s) for s in ("host", "device")},
-    # K = 4 > El on four ranks: the device slots hold T * min(K, El) rows
+    # K = 4 > El on four ranks: a token's choices share its one row on a rank
     "top4-device": partial(_match_moe, splits="device", top_k=4, block="gpt-oss"),
     "uneven-tokens-host": _uneven_and_empty_rank_tokens,
     "state-dict-round-trip": _state_dict_round_trip,
@@ -379,7 +381,7 @@ WORLD_CASES = {
         and (n not in INTERPRETER_CASES or config.is_interpreting())],
     4: ["match-plain-host-chunks1", "match-plain-device-chunks3", "match-gpt-oss-device-chunks1",
         "match-gpt-oss-host-chunks3", "idle-rank-device", "hot-expert-host", "top4-device", "reshard-2-to-4",
-        "dcp-reshard-2-to-4", "ep-x-fsdp2"],
+        "dcp-reshard-2-to-4", "ep-x-fsdp2", "empty-chunks-device"],
 }
 
 
@@ -414,7 +416,7 @@ def _worker(rank: int, world: int, folder: str, names: list[str], backend: str =
         torch.set_default_device(device_id)
     dist.init_process_group(backend, init_method=f"file://{folder}/store", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120), device_id=device_id)
-    moekit.set_options(reference=backend == "gloo")
+    moekit.set_options(reference=backend == "gloo", poison=True)  # unwritten kernel outputs start as NaN
     torch.set_num_threads(1)
     results = {}
     for name in names:

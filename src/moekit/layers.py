@@ -30,7 +30,9 @@ class GroupedExperts(nn.Module):
     integer dtype on x's device -> (R, D). Rows past ``sum(counts)`` come out as zeros. Weights in
     another dtype than x are cast to x's dtype for the GEMMs. Permute-free: pass x as the (T, D)
     tokens with ``token_idx_R`` and ``row_of_TK`` from :func:`moekit.topk_router`; the GEMMs then
-    read token rows in place and the result is still (R, D) in expert-sorted order. ``row_scale_R``
+    read token rows in place and the result is still (R, D) in expert-sorted order (R may be less
+    than T*K, with negative row_of entries for choices that have no row: see
+    :func:`moekit.grouped_mm_swiglu`). ``row_scale_R``
     (R,) float32 scales each row's SwiGLU output before the down-projection (the routing weights, so
     that the combine is a plain sum); the bias is not scaled.
 

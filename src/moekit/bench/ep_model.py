@@ -11,7 +11,8 @@ Assumptions (per rank, T tokens, K experts per token, R = T*K routed rows, W ran
   W-1 other ranks;
 - one all-to-all costs ``latency + bytes sent / bandwidth`` (bandwidth per direction per GPU: every
   rank sends and receives at once over a non-blocking switch);
-- four all-to-alls per layer and step: dispatch and combine forward, their reverses backward;
+- four row all-to-alls per layer and step: dispatch and combine forward, their reverses backward (the
+  layer also exchanges its counts and, twice, the choice tables: small, their latency not counted);
 - expert FLOPs 6*R*D*F forward and 12*R*D*F backward, at a sustained rate (TF/s);
 - overlap with C chunks: each chunk moves 1/C of the bytes and pays the full latency; the first
   chunk's dispatch and the last chunk's combine cannot overlap the GEMMs, so a layer's forward takes
