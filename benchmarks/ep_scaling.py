@@ -52,7 +52,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import moekit  # noqa: E402
 from moekit import MoE  # noqa: E402
-from moekit.bench import BLOCK_SHAPES, CPU_SHAPES, environment  # noqa: E402
+from moekit.bench import BLOCK_SHAPES, CPU_SHAPES, cuda_graphed, environment  # noqa: E402
 from moekit.bench.moe import CONFIGS  # noqa: E402
 from moekit.distributed import ExpertParallelMoE, send_plan  # noqa: E402
 from moekit.routing import topk_router  # noqa: E402
@@ -221,20 +221,6 @@ def _step(mod, x, dy):
     return lambda: torch.autograd.grad(mod(x), params, dy)
 
 
-def _graphed(step):
-    """``step`` captured in a CUDA graph (after two warm-up calls on a side stream): its replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
-
-
 def _rank(rank: int, world: int, folder: str, args: dict) -> None:
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -260,7 +246,8 @@ def _rank(rank: int, world: int, folder: str, args: dict) -> None:
         row = {"shape": name, "config": config, "tokens": tokens, "world": world}
         row["ep1"] = _timed(_step(moe, x, dy), dev, args["warmup"], args["reps"], collective=True)
         if args["graph"] and cuda:  # the yardstick of the graphed EP runs
-            row["ep1_graph"] = _timed(_graphed(_step(moe, x, dy)), dev, args["warmup"], args["reps"], collective=True)
+            replay = cuda_graphed(_step(moe, x, dy))
+            row["ep1_graph"] = _timed(replay, dev, args["warmup"], args["reps"], collective=True)
         if args["profile"] and cuda:
             row["ep1_busy"] = _stream_busy(_step(moe, x, dy), folder, rank)
         if args["cprofile"] and cuda:
@@ -274,7 +261,7 @@ def _rank(rank: int, world: int, folder: str, args: dict) -> None:
         for splits, chunks, margin in runs:
             ep = ExpertParallelMoE.from_moe(moe, splits="device" if splits == "graph" else splits, chunks=chunks)
             with moekit.options(sm_margin=margin):
-                step = _step(ep, x, dy) if splits != "graph" else _graphed(_step(ep, x, dy))
+                step = _step(ep, x, dy) if splits != "graph" else cuda_graphed(_step(ep, x, dy))
                 ms = _timed(step, dev, args["warmup"], args["reps"], collective=True)
                 keep = args["trace_dir"] and os.path.join(args["trace_dir"], f"{name}-{splits}-{chunks}-{margin}.json")
                 busy = _stream_busy(step, folder, rank, keep=keep) if args["profile"] and cuda else None

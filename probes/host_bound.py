@@ -18,7 +18,7 @@ import torch
 import triton
 from torch.profiler import ProfilerActivity, profile
 
-from moekit.bench import BLOCK_SHAPES, cuda_kernels
+from moekit.bench import BLOCK_SHAPES, cuda_graphed, cuda_kernels
 from moekit.bench.moe import training_step
 
 
@@ -46,16 +46,7 @@ def probe(name):
         step()
         torch.cuda.synchronize()
     kernels = sum(e.time_range.elapsed_us() for e in cuda_kernels(prof)) / 1e3
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    replay = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+    replay = triton.testing.do_bench(cuda_graphed(step), warmup=25, rep=200, return_mode="median")
     print(f"{name}: eager {eager:.3f} ms, eager-queued {queued:.3f}, graph {replay:.3f}, kernels {kernels:.3f}, "
           f"host {host:.3f} ms to enqueue a step")
 

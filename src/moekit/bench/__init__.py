@@ -142,6 +142,21 @@ def step_profile(step, *, gemm_prefixes=GEMM_KERNELS) -> dict:
     return {"total": gemm + sum(glue.values()), "gemm": gemm, "glue": sum(glue.values()), "top": top}
 
 
+def cuda_graphed(step):
+    """``step`` (a function of no arguments) captured in a CUDA graph after two warm-up calls on a side
+    stream; returns the graph's replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
     src = torch.randn(nbytes // 4, device="cuda")
