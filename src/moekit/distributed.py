@@ -36,10 +36,10 @@ tells every rank, per chunk, how many tokens and choices each source sends it.
   rows with device offsets, those of other ranks (and of empty slots) past the last offset, where they
   come out as zeros (their gradients go nowhere). The slots' unused rows travel as zeros, and their
   gradients come back as zeros. Every rank must pass the same number of tokens. The price: W*T_c
-  rows on the link against the T_c*(1 + (W-1)*p) that need to go (p: the chance that a token has a
-  choice on a given other rank; 1/p is 1.0 at W = 2, 1.1 at 4, 1.5 at 8 for E = 128, K = 8),
-  and expert activations for W*T_c*K rows; ``python -m moekit bench --ep-model`` prints both
-  paths' modelled all-to-all times.
+  rows per rank against the T_c*(1 + (W-1)*p) that need to go, (W-1)*T_c against (W-1)*p*T_c on the
+  link (p: the chance that a token has a choice on a given other rank; 1/p is 1.0 at W = 2, 1.1 at
+  4, 1.5 at 8 for E = 128, K = 8), and expert activations for W*T_c*K rows; ``python -m moekit
+  bench --ep-model`` prints both paths' modelled all-to-all times.
 
 No token is ever dropped: there is no capacity limit.
 
@@ -139,7 +139,8 @@ def send_plan(experts: torch.Tensor, local_experts: int, world: int, cap: int | 
                                                                            torch.ones_like(dest).reshape(-1))
     bound = t * world if cap is None else cap * world
     base = tokens.cumsum(0) - tokens if cap is None else torch.arange(world, device=dev) * cap
-    place = base[:, None] + hit.cumsum(1) - 1  # (W, T), a scan along the inner dim (~100x faster than along T)
+    place = base[:, None] + hit.cumsum(1) - 1  # (W, T): the scan runs along the inner dim (along dim 0 of a
+    # (T, W) mask it took 2.7 ms at T = 16384, W = 4)
     send_tok = torch.zeros(bound + 1, dtype=torch.int32, device=dev)  # (+1: the absent entries' writes)
     owner = torch.arange(t, device=dev, dtype=torch.int32).expand(world, t)
     send_tok.scatter_(0, torch.where(hit, place, bound).reshape(-1), owner.reshape(-1))

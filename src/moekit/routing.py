@@ -464,9 +464,10 @@ def routing_metadata(experts: torch.Tensor, num_experts: int):
     elsewhere (e.g. by a model's own router): the expert-sorted order of a stable argsort, from the Triton
     kernels where they run.
 
-    An id outside [0, E) (expert parallelism's "not on this rank" sentinel E, or a bad id) is dropped
-    without a sync: it is sorted after every expert's rows, past ``offs[-1]``, where the grouped GEMMs
-    compute nothing and output zeros, so it contributes nothing to a combine."""
+    An id outside [0, E) (a "not on this rank" sentinel of expert parallelism: E in Hugging Face's,
+    -1 in :class:`moekit.distributed.ExpertParallelMoE`; or a bad id) is dropped without a sync: it is
+    sorted after every expert's rows, past ``offs[-1]``, where the grouped GEMMs compute nothing and
+    output zeros, so it contributes nothing to a combine."""
     ids = experts.to(torch.int32)
     ids = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
     counts, offs, token_idx, row_of = _metadata(ids, num_experts + 1)  # the extra group: dropped ids
