@@ -14,9 +14,9 @@ tokens on every rank, routed by the block's own router (random weights, so about
 - **EP W**: ``ExpertParallelMoE`` over the W ranks (E/W experts each) on the same per-rank tokens,
   for each ``--chunks`` C (C = 1: no overlap; C > 1: a chunk's all-to-alls run under another
   chunk's GEMMs) and each ``--sm-margin`` (SMs the persistent GEMMs leave to NCCL's kernels) with
-  host splits, and once with device splits at the largest C and margin; ``--graph`` adds each C on
-  device splits with the whole step replayed from a CUDA graph (no host cost), against EP 1 replayed
-  from a graph too. ``--profile`` adds, from
+  host splits, and once with device splits at the largest C and margin; ``--graph`` adds each C and
+  margin on device splits with the whole step replayed from a CUDA graph (no host cost), against EP 1
+  replayed from a graph too. ``--profile`` adds, from
   one profiled pair of steps on rank 0, how long the NCCL kernels ran and what share of that time a
   compute kernel ran beside them.
 - **all-to-all**: the layer's exchanges alone, timed on their own with the sizes of the C = 1 step:
@@ -256,7 +256,7 @@ def _rank(rank: int, world: int, folder: str, args: dict) -> None:
         runs = [("host", c, m) for c in args["chunks"] for m in args["margins"]]
         runs.append(("device", max(args["chunks"]), max(args["margins"])))
         if args["graph"] and cuda:
-            runs += [("graph", c, max(args["margins"])) for c in args["chunks"]]
+            runs += [("graph", c, m) for c in args["chunks"] for m in args["margins"]]
         row["ep"] = {}
         for splits, chunks, margin in runs:
             ep = ExpertParallelMoE.from_moe(moe, splits="device" if splits == "graph" else splits, chunks=chunks)
