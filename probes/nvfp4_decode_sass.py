@@ -120,16 +120,8 @@ def check_tables() -> None:
 @triton.jit
 def _tile_bytes(values, scales, row, k, row_end, K, stride_vr, stride_vk, stride_sr, stride_sk,
                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    NB: tl.constexpr = BLOCK_K // 16
-    rows = row + tl.arange(0, BLOCK_R)
-    r64 = rows[:, None].to(tl.int64)
-    row_ok = (rows < row_end)[:, None]
-    vcols = k // 2 + tl.arange(0, BLOCK_K // 2)
-    b = tl.load(values + r64 * stride_vr + vcols[None, :].to(tl.int64) * stride_vk,
-                mask=row_ok & (vcols < K // 2)[None, :], other=0).to(tl.int32)
-    scols = k // 16 + tl.arange(0, NB)
-    sc = tl.load(scales + r64 * stride_sr + scols[None, :].to(tl.int64) * stride_sk,
-                 mask=row_ok & (scols < K // 16)[None, :], other=0).to(tl.int32)
+    b = gemm._load_nvfp4_codes(values, row, k, row_end, K, stride_vr, stride_vk, BLOCK_R, BLOCK_K)
+    sc = gemm._load_nvfp4_scale_codes(scales, row, k, row_end, K, stride_sr, stride_sk, BLOCK_R, BLOCK_K)
     return tl.reshape(tl.join(b, b), [BLOCK_R, BLOCK_K]), sc  # each byte beside both of its elements
 
 
