@@ -120,8 +120,8 @@ def check_tables() -> None:
 @triton.jit
 def _tile_bytes(values, scales, row, k, row_end, K, stride_vr, stride_vk, stride_sr, stride_sk,
                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    b = gemm._load_nvfp4_codes(values, row, k, row_end, K, stride_vr, stride_vk, BLOCK_R, BLOCK_K)
-    sc = gemm._load_nvfp4_scale_codes(scales, row, k, row_end, K, stride_sr, stride_sk, BLOCK_R, BLOCK_K)
+    b = gemm._load_byte_tile(values, row, k // 2, row_end, K // 2, stride_vr, stride_vk, BLOCK_R, BLOCK_K // 2)
+    sc = gemm._load_byte_tile(scales, row, k // 16, row_end, K // 16, stride_sr, stride_sk, BLOCK_R, BLOCK_K // 16)
     return tl.reshape(tl.join(b, b), [BLOCK_R, BLOCK_K]), sc  # each byte beside both of its elements
 
 

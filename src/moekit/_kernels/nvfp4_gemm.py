@@ -47,24 +47,14 @@ def _e2m1_placed(b):
 
 
 @triton.jit
-def _load_nvfp4_codes(values, row, k, row_end, K, stride_vr, stride_vk, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The packed codes [BLOCK_R, BLOCK_K / 2] of the tile at (row, k) (values (rows, K / 2) uint8,
-    strided) as int32; rows >= row_end and columns >= K read as 0."""
+def _load_byte_tile(ptr, row, col, row_end, col_end, stride_r, stride_c, BLOCK_R: tl.constexpr,
+                    BLOCK_C: tl.constexpr):
+    """The [BLOCK_R, BLOCK_C] uint8 tile at (row, col) of a strided byte matrix as int32: the packed
+    codes or the scale codes of an operand. Rows >= row_end and columns >= col_end read as 0."""
     rows = row + tl.arange(0, BLOCK_R)
-    vcols = k // 2 + tl.arange(0, BLOCK_K // 2)
-    return tl.load(values + rows[:, None].to(tl.int64) * stride_vr + vcols[None, :].to(tl.int64) * stride_vk,
-                   mask=(rows < row_end)[:, None] & (vcols < K // 2)[None, :], other=0).to(tl.int32)
-
-
-@triton.jit
-def _load_nvfp4_scale_codes(scales, row, k, row_end, K, stride_sr, stride_sk, BLOCK_R: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
-    """The e4m3 scale codes [BLOCK_R, BLOCK_K / 16] of the tile at (row, k) (scales (rows, K / 16) uint8,
-    strided) as int32; rows >= row_end and columns >= K read as 0."""
-    rows = row + tl.arange(0, BLOCK_R)
-    scols = k // 16 + tl.arange(0, BLOCK_K // 16)
-    return tl.load(scales + rows[:, None].to(tl.int64) * stride_sr + scols[None, :].to(tl.int64) * stride_sk,
-                   mask=(rows < row_end)[:, None] & (scols < K // 16)[None, :], other=0).to(tl.int32)
+    cols = col + tl.arange(0, BLOCK_C)
+    return tl.load(ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c,
+                   mask=(rows < row_end)[:, None] & (cols < col_end)[None, :], other=0).to(tl.int32)
 
 
 @triton.jit
@@ -77,10 +67,10 @@ def _load_nvfp4(
     """The [BLOCK_R, BLOCK_K] tile at (row, k) decoded to e2m1 value * block scale in ``OP_DTYPE``
     (exact: module docstring). Rows >= row_end and columns >= K read as 0 (a zero code and scale)."""
     NB: tl.constexpr = BLOCK_K // 16
-    b = _load_nvfp4_codes(values, row, k, row_end, K, stride_vr, stride_vk, BLOCK_R, BLOCK_K)
+    b = _load_byte_tile(values, row, k // 2, row_end, K // 2, stride_vr, stride_vk, BLOCK_R, BLOCK_K // 2)
     even, odd = _e2m1_placed(b)
     v = tl.reshape(tl.join(even, odd), [BLOCK_R, BLOCK_K])  # the even element is the low nibble
-    sc = _load_nvfp4_scale_codes(scales, row, k, row_end, K, stride_sr, stride_sk, BLOCK_R, BLOCK_K)
+    sc = _load_byte_tile(scales, row, k // 16, row_end, K // 16, stride_sr, stride_sk, BLOCK_R, NB)
     x = tl.reshape(v, [BLOCK_R, NB, 16]) * (_e4m3_value(sc) * TWO_63)[:, :, None] * TWO_63
     return tl.reshape(x, [BLOCK_R, BLOCK_K]).to(OP_DTYPE)
 
