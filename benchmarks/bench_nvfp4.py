@@ -3,7 +3,8 @@
 - quantize and the fused SwiGLU -> NVFP4 pass: GB/s (bytes read + written) against a device copy;
 - the fused up-projection writing NVFP4 h against moekit's bf16 fused up-projection;
 - the NVFP4 grouped GEMM against moekit's bf16 grouped GEMM, at few rows per expert (weight-bandwidth
-  bound) and at gpt-oss-20b training size.
+  bound) and at gpt-oss-20b training size, with each of its two decodes (the ``nvfp4_ptx_decode``
+  option).
 
     python benchmarks/bench_nvfp4.py
 """
@@ -52,17 +53,19 @@ def main():
     t_bf16 = bench_ms(lambda: moekit.grouped_mm_swiglu(xs, w_up, offs))
     print(f"| up-projection + SwiGLU (-> NVFP4 h vs bf16 h, aux) | gpt-oss-20b M={m} | {t_fp4:.3f} | {t_bf16:.3f} | "
           f"{t_bf16 / t_fp4:.2f} |")
-    for rows_per_expert in (16, 64, m // e):
+    for rows_per_expert in (16, 32, 64, m // e):
         mm = rows_per_expert * e
         a = torch.randn(mm, d, device=dev, dtype=torch.bfloat16)
         w = torch.randn(e, d, 2 * f, device=dev, dtype=torch.bfloat16) * 0.02
         o = _offs(mm, e, dev)
         av, as_, ag = nvfp4.quantize(a)
         wv, ws, wg = nvfp4.quantize_weights(w)
-        t_fp4 = bench_ms(lambda q=(av, as_, ag, wv, ws, wg, o): moekit.grouped_mm_nvfp4(*q))
         t_bf16 = bench_ms(lambda q=(a, w, o): moekit.grouped_mm(*q))
-        print(f"| grouped_mm_nvfp4 | E={e} K={d} N={2 * f}, {rows_per_expert} rows/expert | {t_fp4:.3f} | "
-              f"{t_bf16:.3f} | {t_bf16 / t_fp4:.2f} |")
+        for ptx, decode in ((True, "PTX decode"), (False, "Triton-op decode")):
+            with moekit.options(nvfp4_ptx_decode=ptx):
+                t_fp4 = bench_ms(lambda q=(av, as_, ag, wv, ws, wg, o): moekit.grouped_mm_nvfp4(*q))
+            print(f"| grouped_mm_nvfp4 ({decode}) | E={e} K={d} N={2 * f}, {rows_per_expert} rows/expert | "
+                  f"{t_fp4:.3f} | {t_bf16:.3f} | {t_bf16 / t_fp4:.2f} |")
 
 
 if __name__ == "__main__":

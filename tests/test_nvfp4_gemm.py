@@ -1,13 +1,18 @@
 """grouped_mm_nvfp4: the Triton kernel under the interpreter (CPU) and its reference, both against an
 independent float64 oracle; the decode bit-exact on every e4m3 scale code; the edge cases of the
-rows-ragged schedule; identical errors from both paths; opcheck of the custom op. ``-m gpu``: moderate
-sizes, no host sync, CUDA-graph capture, torch.compile. Outputs start NaN-poisoned (conftest)."""
+rows-ragged schedule; identical errors from both paths; opcheck of the custom op; the inline-PTX
+decode's instructions emulated on the host for every byte. ``-m gpu``: moderate sizes, both decodes,
+no host sync, CUDA-graph capture, torch.compile. Outputs start NaN-poisoned (conftest)."""
 
+import re
+
+import numpy as np
 import pytest
 import torch
 
 import moekit
 from moekit import config, nvfp4
+from moekit._kernels import nvfp4_gemm as kernels
 from moekit.nvfp4_gemm import _grouped_mm_nvfp4_op, grouped_mm_nvfp4, grouped_mm_nvfp4_fwd, grouped_mm_nvfp4_ref
 from moekit.testing import offs_from_counts
 
@@ -152,6 +157,96 @@ def test_any_strides(interpreter):
 
 
 # --------------------------------------------------------------------------------------------------
+# the inline-PTX decode (GPU only), its instructions emulated on the host
+# --------------------------------------------------------------------------------------------------
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    """PTX ``prmt.b32`` (default mode): output byte i is byte (sel >> 4i) & 7 of {b, a}; selector bit 3
+    replicates that byte's sign bit."""
+    src = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+    out = 0
+    for i in range(4):
+        s = (sel >> 4 * i) & 0xF
+        byte = src[s & 7]
+        out |= ((0xFF if byte & 0x80 else 0) if s & 8 else byte) << 8 * i
+    return out
+
+
+def _lop3(a: int, b: int, c: int, lut: int) -> int:
+    out = 0
+    for bit in range(32):
+        i = ((a >> bit) & 1) << 2 | ((b >> bit) & 1) << 1 | ((c >> bit) & 1)
+        out |= ((lut >> i) & 1) << bit
+    return out
+
+
+def _f16x2(x: int) -> np.ndarray:
+    return np.array([x & 0xFFFF, x >> 16], dtype=np.uint16).view(np.float16)
+
+
+def _run_ptx(asm: str, inputs: dict[str, int]) -> dict[str, int]:
+    """Run one of the kernel's asm strings on integers (b16 and b32 registers): the few instructions they
+    use, as the PTX ISA defines them. Returns the registers."""
+    regs = dict(inputs)
+    for line in asm.strip()[1:-1].split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        if op == "mov.b32" and "{" in rest:  # {lo, hi} <-> b32: unpack or pack two b16
+            unpack = re.fullmatch(r"\{(\S+), (\S+)\}, (\S+)", rest)
+            if unpack:
+                lo, hi, src = unpack.groups()
+                regs[lo], regs[hi] = regs[src] & 0xFFFF, regs[src] >> 16
+            else:
+                d, lo, hi = re.fullmatch(r"(\S+), \{(\S+), (\S+)\}", rest).groups()
+                regs[d] = regs[lo] | regs[hi] << 16
+            continue
+        d, *args = [a.strip() for a in rest.split(",")]
+        v = [regs[a] if a in regs else int(a, 0) for a in args]
+        if op in ("mov.b32", "cvt.u16.u32"):
+            r = v[0] & (0xFFFF if op == "cvt.u16.u32" else 0xFFFFFFFF)
+        elif op == "and.b32":
+            r = v[0] & v[1]
+        elif op == "shl.b32":
+            r = (v[0] << v[1]) & 0xFFFFFFFF
+        elif op == "bfi.b32":  # insert v[0]'s low v[3] bits into v[1] at bit v[2]
+            mask = ((1 << v[3]) - 1) << v[2]
+            r = (v[1] & ~mask & 0xFFFFFFFF) | ((v[0] << v[2]) & mask)
+        elif op == "prmt.b32":
+            r = _prmt(*v)
+        elif op == "lop3.b32":
+            r = _lop3(*v)
+        elif op == "mul.rn.f16x2":  # exact products here, so numpy's float16 multiply rounds as PTX would
+            r = int((_f16x2(v[0]) * _f16x2(v[1])).view(np.uint16).astype(np.uint32) @ [1, 1 << 16])
+        elif op == "cvt.rn.f16x2.e4m3x2":  # the low byte into the low half
+            pair = torch.tensor([v[0] & 0xFF, v[0] >> 8], dtype=U8).view(E4M3).to(torch.float16)
+            r = int(pair.view(torch.int16).numpy().view(np.uint16).astype(np.uint32) @ [1, 1 << 16])
+        else:
+            raise AssertionError(f"the emulator does not know {op!r}")
+        regs[d] = r
+    return regs
+
+
+def test_ptx_decode_on_every_byte_and_scale_code():
+    """``_E2M1_PAIR_F16`` on all 256 bytes with every finite e4m3 scale code as ``_E4M3_F16`` converts
+    it, bit for bit against the oracle's e2m1 table times the scale, -0 included."""
+    scale_codes = [c for c in range(256) if c & 0x7F != 0x7F]
+    scales = {c: _run_ptx(kernels._E4M3_F16.value, {"$1": c})["$0"] for c in scale_codes}
+    want_scales = torch.tensor(scale_codes, dtype=U8).view(E4M3).to(torch.float16).view(torch.int16)
+    assert [scales[c] for c in scale_codes] == want_scales.numpy().view(np.uint16).tolist()
+    assert np.isnan(_f16x2(_run_ptx(kernels._E4M3_F16.value, {"$1": 0x7F})["$0"])[0])  # NaN stays NaN
+    for b in range(256):
+        for c in scale_codes:
+            r = _run_ptx(kernels._E2M1_PAIR_F16.value, {"$2": b, "$3": scales[c]})
+            got = _f16x2(r["$0"] | r["$1"] << 16)
+            want = _E2M1[[b & 15, b >> 4]] * float(torch.tensor([c], dtype=U8).view(E4M3).float())
+            assert np.array_equal(got.astype(np.float64), want.numpy()), (b, c, got, want)
+            assert np.array_equal(np.signbit(got), np.signbit(want.numpy())), (b, c, got)
+
+
+# --------------------------------------------------------------------------------------------------
 # errors: the same type and message from the reference, the kernel path and the reference option
 # --------------------------------------------------------------------------------------------------
 
@@ -236,22 +331,59 @@ GPU_CASES = [
 ]
 
 
+DECODES = [pytest.param(True, id="ptx"), pytest.param(False, id="triton-ops")]
+
+
 @gpu
+@pytest.mark.parametrize("ptx", DECODES)
 @pytest.mark.parametrize("counts, m, k, n", GPU_CASES)
-def test_kernel_matches_the_oracle_gpu(counts, m, k, n):
+def test_kernel_matches_the_oracle_gpu(counts, m, k, n, ptx):
     args = _operands(counts, m, k, n, device=DEV)
-    _assert_matches_oracle(grouped_mm_nvfp4(*args), args)
-    _assert_matches_oracle(grouped_mm_nvfp4(*args, out_dtype=F32), args)
+    with moekit.options(nvfp4_ptx_decode=ptx):
+        assert config.use_nvfp4_ptx_decode(torch.device(DEV)) == (ptx and torch.cuda.get_device_capability() >= (8, 9))
+        _assert_matches_oracle(grouped_mm_nvfp4(*args), args)
+        _assert_matches_oracle(grouped_mm_nvfp4(*args, out_dtype=F32), args)
 
 
 @gpu
-@pytest.mark.parametrize("block_m", [16, 64])
-def test_transposed_tile_gpu(block_m):
-    """The transposed tile (few rows per expert) on the GPU, pinned, with experts past its M tile, an
-    empty one and tail rows."""
+@pytest.mark.parametrize("ptx", DECODES)
+@pytest.mark.parametrize("cfg", [
+    pytest.param(config.TileConfig(16, 128, 128, group_m=1, num_warps=4, num_stages=3, programs_per_sm=4, swap=True),
+                 id="swap16-bk128"),
+    pytest.param(config.TileConfig(64, 128, 64, group_m=1, num_warps=4, num_stages=3, programs_per_sm=2, swap=True),
+                 id="swap64-bk64"),
+    pytest.param(config.TileConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3), id="plain128-bk32"),
+    pytest.param(config.TileConfig(64, 64, 64, group_m=4, num_warps=4, num_stages=2), id="plain64-bk64"),
+])
+def test_pinned_tiles_gpu(cfg, ptx):
+    """Pinned tiles on the GPU (the transposed ones with experts past their M tile), an empty expert and
+    tail rows, with each decode: the register layouts differ per tile, and the PTX decode must pair
+    each thread's elements right in every one."""
     args = _operands([5, 70, 0, 16, 33, 1], 140, 1024, 640, device=DEV)
-    cfg = config.TileConfig(block_m, 128, 64, group_m=1, num_warps=4, num_stages=3, programs_per_sm=2, swap=True)
-    _assert_matches_oracle(grouped_mm_nvfp4_fwd(*args, BF16, cfg=cfg), args)
+    with moekit.options(nvfp4_ptx_decode=ptx):
+        _assert_matches_oracle(grouped_mm_nvfp4_fwd(*args, BF16, cfg=cfg), args)
+
+
+@gpu
+@pytest.mark.parametrize("ptx", DECODES)
+@pytest.mark.parametrize("swap", [True, False])
+def test_the_decode_is_exact_for_every_scale_code_gpu(ptx, swap):
+    """As the interpreter test above, on the GPU, each decode and each tile form: bit for bit."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=U8)
+    m, n, e = codes.numel(), 128, 2
+    a_scales = codes[:, None].view(E4M3)
+    w_scales = codes[torch.randint(0, m, (e * n,))].view(e, n, 1).view(E4M3)
+    a_values = torch.randint(0, 256, (m, 8), dtype=U8).view(FP4)
+    w_values = torch.randint(0, 256, (e, n, 8), dtype=U8).view(FP4)
+    args = [a_values, a_scales, torch.tensor(2.0**-3), w_values, w_scales, torch.tensor([2.0**5, 0.5]),
+            torch.tensor([100, m], dtype=torch.int32)]
+    want = _oracle(*args)[0].float()
+    args = [t.to(DEV) for t in args]
+    cfg = (config.TileConfig(16, 128, 16, group_m=1, num_warps=4, num_stages=2, swap=True) if swap
+           else config.TileConfig(64, 64, 16, group_m=1, num_warps=4, num_stages=2))
+    with moekit.options(nvfp4_ptx_decode=ptx):
+        got = grouped_mm_nvfp4_fwd(*args, F32, cfg=cfg).cpu()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (got - want).abs().max()
 
 
 @gpu

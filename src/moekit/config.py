@@ -70,6 +70,9 @@ class Options:
       nearest, and the standalone SwiGLU -> NVFP4 pass, run the Gluon kernels on Hopper and newer (each
       thread holds whole blocks); off, the Triton kernels. The bits are the same (docs/design.md,
       section 14).
+    - ``nvfp4_ptx_decode`` (``MOEKIT_NVFP4_PTX_DECODE``, on): the emulated NVFP4 grouped GEMM decodes
+      its operands with inline PTX byte tables into f16 on sm_89 and newer; off, the decode written in
+      Triton ops into bf16. The products are exact either way (docs/design.md, section 14).
     - ``poison`` (no variable; a test aid): every kernel output starts as NaN (-1 for integers), so an
       unwritten element shows.
     """
@@ -82,6 +85,7 @@ class Options:
     fused_dswiglu: bool = False
     sm_margin: int = 0
     gluon_quantize: bool = True
+    nvfp4_ptx_decode: bool = True
     poison: bool = False
 
 
@@ -224,6 +228,14 @@ def use_gluon_quantize(device: torch.device) -> bool:
     if not _options.gluon_quantize or device.type != "cuda" or not _has_gluon():
         return False
     return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
+def use_nvfp4_ptx_decode(device: torch.device) -> bool:
+    """The NVFP4 grouped GEMM's inline-PTX decode (``cvt.rn.f16x2.e4m3x2`` needs sm_89) on sm_89 and
+    newer, unless the ``nvfp4_ptx_decode`` option is off; never under the interpreter, which runs no PTX."""
+    if not _options.nvfp4_ptx_decode or device.type != "cuda" or is_interpreting():
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
 
 
 def fused_dswiglu() -> bool:

@@ -6,10 +6,10 @@ Reads as: reference (``grouped_mm_nvfp4_ref``) -> kernel (``_kernels/nvfp4_gemm.
 NVFP4 training step whose backward runs elsewhere); its inputs are integer-coded and carry no gradient.
 
 Hopper has no FP4 tensor cores, so the kernel emulates them: it reads the packed operands (a quarter
-of bf16's bytes, plus 1/16 for the scales), decodes them exactly to bf16 in registers and runs bf16
-``tl.dot`` with fp32 accumulation (why the decode is exact: ``_kernels/nvfp4_gemm.py``). With few rows
-per expert (the transposed tile) the rows are decoded once beforehand and only the weights in the
-kernel.
+of bf16's bytes, plus 1/16 for the scales), decodes them exactly to f16 in registers (inline PTX, sm_89
+and newer; bf16 elsewhere) and runs ``tl.dot`` with fp32 accumulation (why the decode is exact:
+``_kernels/nvfp4_gemm.py``). With few rows per expert (the transposed tile) the rows are decoded once
+beforehand and only the weights in the kernel.
 
 Legend: M rows (tokens routed to experts, expert-sorted), N output columns, K reduction length,
 E experts.
@@ -156,7 +156,8 @@ def grouped_mm_nvfp4_fwd(
         raise ValueError(f"{_NAME}: block_k must be a power of two and a multiple of {BLOCK}, got {bk}")
     max_tiles = (triton.cdiv(m, bm) + e + 1) * triton.cdiv(n, bn)  # each expert adds <= 1 partial row tile
     programs = min(config.num_sms(a_values.device) * cfg.programs_per_sm, max_tiles)
-    op_dtype = torch.float32 if config.is_interpreting() else torch.bfloat16
+    ptx = config.use_nvfp4_ptx_decode(a_values.device)
+    op_dtype = torch.float16 if ptx else torch.float32 if config.is_interpreting() else torch.bfloat16
     if cfg.swap:  # A decoded once (exact: value * block scale), not once per column tile
         av = asc = dequantize(a_values.view(FP4), a_scales.view(E4M3), _one(a_values.device), dtype=op_dtype)
     else:
@@ -172,8 +173,8 @@ def grouped_mm_nvfp4_fwd(
         out.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(e + 1),
-        OP_DTYPE=tl.float32 if op_dtype == torch.float32 else tl.bfloat16,
-        SWAP=cfg.swap, A_DECODED=cfg.swap, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+        OP_DTYPE={torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[op_dtype],
+        PTX=ptx, SWAP=cfg.swap, A_DECODED=cfg.swap, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
     )
     return out
 

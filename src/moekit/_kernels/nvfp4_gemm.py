@@ -11,16 +11,23 @@ operand, and the rows' tile (BLOCK_M, as small as 16) is the one that goes throu
 With it the launcher decodes A once beforehand (``A_DECODED``: value * block scale, exact in bf16),
 since every column tile would decode the same few rows again, and the kernel loads A as it is.
 
-The decode places each code's bits in an fp32 word (``_e2m1_placed``: the magnitude bits at the
-exponent's and mantissa's top, the sign at the top), which reads value * 2^-126 (an fp32 subnormal
-for 0.5), and multiplies by the block scale times 2^63 and by 2^63: two exact multiplies per element.
+Two decodes, the same values (``PTX``):
 
-Why the decoded operand is exact in bf16: an e2m1 value has at most 2 significant bits, an e4m3 scale
-at most 4 (fewer when subnormal), so their product has at most 6 and lies in [2^-10, 2688], well
-inside bf16's 8-bit significand and fp32's exponent range. The product is formed in fp32 (exact) and
-the cast to bf16 does not round. The products of two decoded operands (<= 12 bits) are exact in the
-fp32 accumulator as well; the only roundings are the accumulation's, the global-scale multiply's and
-the output cast's.
+- in inline PTX (sm_89 and newer GPUs; ``OP_DTYPE`` f16): per packed byte, one ``prmt`` looks both
+  magnitudes' f16 high bytes up in an 8-byte table (the eight e2m1 magnitudes have zero low bytes in
+  f16), a ``prmt`` spreads them into an f16 pair, a ``prmt`` + ``lop3`` put the two signs in, and one
+  ``mul.rn.f16x2`` applies the block scale, which ``cvt.rn.f16x2.e4m3x2`` converts exactly;
+- written out in Triton ops (the interpreter, older GPUs; ``OP_DTYPE`` bf16, or fp32 on the
+  interpreter): each code's bits placed in an fp32 word (``_e2m1_placed``: the magnitude bits at the
+  exponent's and mantissa's top, the sign at the top), which reads value * 2^-126 (an fp32 subnormal
+  for 0.5), multiplied by the block scale times 2^63 and by 2^63: two exact multiplies per element.
+
+Why the decoded operand is exact in bf16 and in f16: an e2m1 value has at most 2 significant bits, an
+e4m3 scale at most 4 (fewer when subnormal), so their product has at most 6 and lies in [2^-10, 2688],
+inside the normal range of f16 (from 2^-14) and bf16, whose significands hold 11 and 8 bits. The f16
+multiply and the fp32 product's cast to bf16 therefore do not round. The products of two decoded
+operands (<= 12 bits) are exact in the fp32 accumulator as well; the only roundings are the
+accumulation's, the global-scale multiply's and the output cast's.
 
 The tile schedule is the rows-ragged one of ``_kernels/grouped_gemm.py`` (``_group_table``/``_locate``):
 built from ``offs`` in registers by every persistent program, never read by the host. Group E covers
@@ -34,6 +41,36 @@ from .grouped_gemm import _group_table, _load_2d, _locate, _store_rows
 from .nvfp4 import _e4m3_value
 
 TWO_63 = tl.constexpr(9.223372036854775808e18)  # 2^63: 2^126 in two exact steps (448 * 2^126 overflows)
+
+# One packed byte per asm instance ($2, low byte; $3 its block scale in f16) -> its two elements in f16
+# ($0 even, $1 odd). m (the two magnitudes) selects their f16 high bytes (0, 0.5, 1, 1.5, 2, 3, 4, 6
+# have zero low bytes) from the table {ta, tb}; the second prmt moves them to bytes 1 and 3 (an f16
+# pair); g carries the byte's bit 3 to bit 15 and bit 7 to bit 31, the signs, which lop3
+# (a | (b & c)) puts in; one packed multiply by the scale.
+_E2M1_PAIR_F16 = tl.constexpr("""{
+.reg .b32 m, h, p, s, g, ta, tb, sc;
+mov.b32 ta, 0x3E3C3800;
+mov.b32 tb, 0x46444240;
+and.b32 m, $2, 0x77;
+prmt.b32 h, ta, tb, m;
+prmt.b32 p, h, 0, 0x1404;
+shl.b32 s, $2, 4;
+prmt.b32 g, s, $2, 0x4000;
+lop3.b32 p, p, g, 0x80008000, 0xf8;
+mov.b32 sc, {$3, $3};
+mul.rn.f16x2 p, p, sc;
+mov.b32 {$0, $1}, p;
+}""")
+
+# An e4m3 scale code (the low byte of $1) as f16, exact (every e4m3 value is an f16 normal or 0; the
+# NaN code 0x7F stays NaN).
+_E4M3_F16 = tl.constexpr("""{
+.reg .b16 t;
+.reg .b32 r;
+cvt.u16.u32 t, $1;
+cvt.rn.f16x2.e4m3x2 r, t;
+mov.b32 {$0, t}, r;
+}""")
 
 
 @triton.jit
@@ -62,17 +99,25 @@ def _load_nvfp4(
     values, scales,  # one operand's bytes: values (rows, K / 2), scales (rows, K / 16) uint8, strided
     row, k, row_end, K,
     stride_vr, stride_vk, stride_sr, stride_sk,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, OP_DTYPE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, OP_DTYPE: tl.constexpr, PTX: tl.constexpr,
 ):
     """The [BLOCK_R, BLOCK_K] tile at (row, k) decoded to e2m1 value * block scale in ``OP_DTYPE``
-    (exact: module docstring). Rows >= row_end and columns >= K read as 0 (a zero code and scale)."""
+    (exact: module docstring; f16 when ``PTX``). Rows >= row_end and columns >= K read as 0 (a zero
+    code and scale)."""
     NB: tl.constexpr = BLOCK_K // 16
     b = _load_byte_tile(values, row, k // 2, row_end, K // 2, stride_vr, stride_vk, BLOCK_R, BLOCK_K // 2)
-    even, odd = _e2m1_placed(b)
-    v = tl.reshape(tl.join(even, odd), [BLOCK_R, BLOCK_K])  # the even element is the low nibble
     sc = _load_byte_tile(scales, row, k // 16, row_end, K // 16, stride_sr, stride_sk, BLOCK_R, NB)
-    x = tl.reshape(v, [BLOCK_R, NB, 16]) * (_e4m3_value(sc) * TWO_63)[:, :, None] * TWO_63
-    return tl.reshape(x, [BLOCK_R, BLOCK_K]).to(OP_DTYPE)
+    if PTX:
+        s = tl.inline_asm_elementwise(_E4M3_F16, "=h,r", [sc], dtype=tl.float16, is_pure=True, pack=1)
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_R, NB, 8]), [BLOCK_R, BLOCK_K // 2])  # per byte
+        even, odd = tl.inline_asm_elementwise(_E2M1_PAIR_F16, "=h,=h,r,h", [b, s],
+                                              dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+        return tl.reshape(tl.join(even, odd), [BLOCK_R, BLOCK_K])  # the even element is the low nibble
+    else:
+        even, odd = _e2m1_placed(b)
+        v = tl.reshape(tl.join(even, odd), [BLOCK_R, BLOCK_K])  # the even element is the low nibble
+        x = tl.reshape(v, [BLOCK_R, NB, 16]) * (_e4m3_value(sc) * TWO_63)[:, :, None] * TWO_63
+        return tl.reshape(x, [BLOCK_R, BLOCK_K]).to(OP_DTYPE)
 
 
 @triton.jit
@@ -87,7 +132,8 @@ def _grouped_mm_nvfp4_kernel(
     stride_cm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
-    OP_DTYPE: tl.constexpr,  # bf16 on a GPU; fp32 on the interpreter, whose bf16 tl.dot is wrong
+    OP_DTYPE: tl.constexpr,  # f16 with PTX; else bf16 on a GPU, fp32 on the interpreter (its bf16 tl.dot is wrong)
+    PTX: tl.constexpr,  # the inline-PTX decode (sm_89 and newer)
     SWAP: tl.constexpr, A_DECODED: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -112,9 +158,9 @@ def _grouped_mm_nvfp4_kernel(
                 a_tile = _load_2d(a_values, 0, row, k, end, K, stride_avm, stride_avk, BLOCK_M, BLOCK_K)
             else:
                 a_tile = _load_nvfp4(a_values, a_scales, row, k, end, K, stride_avm, stride_avk, stride_asm,
-                                     stride_ask, BLOCK_M, BLOCK_K, OP_DTYPE)
+                                     stride_ask, BLOCK_M, BLOCK_K, OP_DTYPE, PTX)
             w_tile = _load_nvfp4(wv, ws, col, k, N, K, stride_wvn, stride_wvk, stride_wsn, stride_wsk,
-                                 BLOCK_N, BLOCK_K, OP_DTYPE)
+                                 BLOCK_N, BLOCK_K, OP_DTYPE, PTX)
             if SWAP:
                 acc_t = tl.dot(w_tile, a_tile.T, acc_t)
             else:
