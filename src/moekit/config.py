@@ -65,7 +65,7 @@ class Options:
       program per SM minus this many). Under expert parallelism with overlap the all-to-all's NCCL
       kernel (32 CTAs on two H200s) runs beside the GEMMs, and a persistent GEMM that finds SMs taken
       waits for them (its tiles are assigned statically). Margins of 16 and 32 SMs did not pay on
-      two H200s (docs/design.md, section 15).
+      two or four H200s (docs/design.md, section 15).
     - ``gluon_quantize`` (``MOEKIT_GLUON_QUANTIZE``, on): NVFP4 quantization with 1x16 blocks rounded to
       nearest, and the standalone SwiGLU -> NVFP4 pass, run the Gluon kernels on Hopper and newer (each
       thread holds whole blocks); off, the Triton kernels. The bits are the same (docs/design.md,
