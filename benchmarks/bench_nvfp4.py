@@ -4,7 +4,7 @@
 - the fused up-projection writing NVFP4 h against moekit's bf16 fused up-projection;
 - the NVFP4 grouped GEMM against moekit's bf16 grouped GEMM, at few rows per expert (weight-bandwidth
   bound) and at gpt-oss-20b training size, with each of its two decodes (the ``nvfp4_ptx_decode``
-  option).
+  option) and with packed weights (``nvfp4_gemm.pack_weights``).
 
     python benchmarks/bench_nvfp4.py
 """
@@ -14,6 +14,7 @@ import torch
 import moekit
 from moekit import nvfp4
 from moekit.bench import bench_ms, copy_bandwidth_gbs, environment
+from moekit.nvfp4_gemm import pack_weights
 
 
 def _offs(m, e, dev):
@@ -60,10 +61,13 @@ def main():
         o = _offs(mm, e, dev)
         av, as_, ag = nvfp4.quantize(a)
         wv, ws, wg = nvfp4.quantize_weights(w)
+        wp = pack_weights(wv)
         t_bf16 = bench_ms(lambda q=(a, w, o): moekit.grouped_mm(*q))
-        for ptx, decode in ((True, "PTX decode"), (False, "Triton-op decode")):
+        for ptx, packed, decode in ((True, True, "PTX decode, packed weights"), (True, False, "PTX decode"),
+                                    (False, False, "Triton-op decode")):
             with moekit.options(nvfp4_ptx_decode=ptx):
-                t_fp4 = bench_ms(lambda q=(av, as_, ag, wv, ws, wg, o): moekit.grouped_mm_nvfp4(*q))
+                t_fp4 = bench_ms(lambda q=(av, as_, ag, wp if packed else wv, ws, wg, o), p=packed:
+                                 moekit.grouped_mm_nvfp4(*q, w_packed=p))
             print(f"| grouped_mm_nvfp4 ({decode}) | E={e} K={d} N={2 * f}, {rows_per_expert} rows/expert | "
                   f"{t_fp4:.3f} | {t_bf16:.3f} | {t_bf16 / t_fp4:.2f} |")
 

@@ -6,7 +6,7 @@ the sweep (``swap=True``, pinned through ``grouped_mm_nvfp4_fwd``), each checked
 the default tile's output, the fastest printed first.
 
     python benchmarks/sweep_nvfp4_gemm.py [--rows 16 64] [--block-m 16 32 64] [--block-n 128 256]
-        [--block-k 64 128] [--warps 4 8] [--programs 1 2 4]
+        [--block-k 64 128] [--warps 4 8] [--programs 1 2 4] [--packed]
 """
 
 import argparse
@@ -18,7 +18,7 @@ from triton.testing import do_bench
 
 import moekit
 from moekit import config, nvfp4
-from moekit.nvfp4_gemm import grouped_mm_nvfp4_fwd
+from moekit.nvfp4_gemm import grouped_mm_nvfp4_fwd, pack_weights
 
 E, K, N = 32, 2880, 5760
 
@@ -32,6 +32,7 @@ def main():
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--programs", type=int, nargs="+", default=[1, 2, 4], help="programs per SM")
     parser.add_argument("--top", type=int, default=8)
+    parser.add_argument("--packed", action="store_true", help="packed weights (nvfp4_gemm.pack_weights)")
     args = parser.parse_args()
     dev = "cuda"
     print(f"{torch.cuda.get_device_name()} | E={E} K={K} N={N}")
@@ -40,10 +41,13 @@ def main():
         offs = torch.arange(1, E + 1, device=dev, dtype=torch.int32) * rows
         a = torch.randn(m, K, device=dev, dtype=torch.bfloat16)
         w = torch.randn(E, K, N, device=dev, dtype=torch.bfloat16) * 0.02
-        q = (*nvfp4.quantize(a), *nvfp4.quantize_weights(w), offs)
+        q = [*nvfp4.quantize(a), *nvfp4.quantize_weights(w), offs]
+        if args.packed:
+            q[3] = pack_weights(q[3])
         t_bf16 = do_bench(functools.partial(moekit.grouped_mm, a, w, offs), warmup=50, rep=200)
-        t_default = do_bench(functools.partial(moekit.grouped_mm_nvfp4, *q), warmup=50, rep=200)
-        want = moekit.grouped_mm_nvfp4(*q)
+        fp4 = functools.partial(moekit.grouped_mm_nvfp4, *q, w_packed=args.packed)
+        t_default = do_bench(fp4, warmup=50, rep=200)
+        want = fp4()
         print(f"\n{rows} rows per expert: bf16 {t_bf16:.3f} ms, NVFP4 default tile {t_default:.3f} ms "
               f"(bf16 / NVFP4 {t_bf16 / t_default:.2f})")
         results = []
@@ -52,8 +56,9 @@ def main():
             cfg = config.TileConfig(bm, bn, bk, group_m=1, num_warps=warps, num_stages=3, programs_per_sm=programs,
                                     swap=True)
             try:
-                equal = torch.equal(grouped_mm_nvfp4_fwd(*q, torch.bfloat16, cfg=cfg), want)
-                t = do_bench(functools.partial(grouped_mm_nvfp4_fwd, *q, torch.bfloat16, cfg=cfg), warmup=10, rep=50)
+                run = functools.partial(grouped_mm_nvfp4_fwd, *q, torch.bfloat16, args.packed, cfg=cfg)
+                equal = torch.equal(run(), want)
+                t = do_bench(run, warmup=10, rep=50)
             except Exception as exc:  # a tile that does not compile: report it and go on
                 print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:100]}")
                 continue

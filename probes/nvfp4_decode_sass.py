@@ -91,7 +91,8 @@ def check_tables() -> None:
 
 @triton.jit
 def _load_prmt_bf16(values, scales, row, k, row_end, K, stride_vr, stride_vk, stride_sr, stride_sk,
-                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, OP_DTYPE: tl.constexpr, PTX: tl.constexpr):
+                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, OP_DTYPE: tl.constexpr, PTX: tl.constexpr,
+                    PACKED: tl.constexpr = False):
     b = gemm._load_byte_tile(values, row, k // 2, row_end, K // 2, stride_vr, stride_vk, BLOCK_R, BLOCK_K // 2)
     sc = gemm._load_byte_tile(scales, row, k // 16, row_end, K // 16, stride_sr, stride_sk, BLOCK_R, BLOCK_K // 16)
     b2 = tl.reshape(tl.join(b, b), [BLOCK_R, BLOCK_K])  # each byte beside both of its elements
@@ -101,17 +102,24 @@ def _load_prmt_bf16(values, scales, row, k, row_end, K, stride_vr, stride_vk, st
 
 
 LIBRARY_LOAD = gemm._load_nvfp4
-VARIANTS = {"bits": (LIBRARY_LOAD, tl.bfloat16, False), "ptx-f16": (LIBRARY_LOAD, tl.float16, True),
-            "prmt-bf16": (_load_prmt_bf16, tl.bfloat16, False)}
+VARIANTS = {  # (loader, OP_DTYPE, PTX, W_PACKED)
+    "bits": (LIBRARY_LOAD, tl.bfloat16, False, False), "ptx-f16": (LIBRARY_LOAD, tl.float16, True, False),
+    "ptx-f16-packed": (LIBRARY_LOAD, tl.float16, True, True),
+    "prmt-bf16": (_load_prmt_bf16, tl.bfloat16, False, False),
+}
 TILES = {  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, SWAP)
     "swap16": (16, 128, 128, 1, 4, True),
+    "swap64": (64, 128, 64, 1, 4, True),
     "plain128": (128, 128, 32, 8, 8, False),
+    "plain128-k64": (128, 128, 64, 8, 8, False),
 }
 
 
 def compile_variant(name: str, tile: str) -> dict:
-    load, op, ptx = VARIANTS[name]
+    load, op, ptx, packed = VARIANTS[name]
     bm, bn, bk, group_m, warps, swap = TILES[tile]
+    if packed and bk % 64:
+        return None
     gemm._load_nvfp4 = load
     gemm._grouped_mm_nvfp4_kernel.hash = None  # the kernel's hash covers its callees: recompute it
     names = ["a_values", "a_scales", "a_global", "w_values", "w_scales", "w_global", "c", "offs_ptr",
@@ -121,7 +129,8 @@ def compile_variant(name: str, tile: str) -> dict:
     types = [a_type, "*u8", "*fp32", "*u8", "*u8", "*fp32", "*bf16", "*i32"]
     sig = dict(zip(names, types + ["i32"] * (len(names) - len(types)), strict=True))
     const = dict(stride_avk=1, stride_ask=1, stride_wvk=1, stride_wsk=1, stride_wg=1, BLOCK_M=bm, BLOCK_N=bn,
-                 BLOCK_K=bk, GROUP_M=group_m, BLOCK_E=64, OP_DTYPE=op, PTX=ptx, SWAP=swap, A_DECODED=swap,
+                 BLOCK_K=bk, GROUP_M=group_m, BLOCK_E=64, OP_DTYPE=op, PTX=ptx, W_PACKED=packed, SWAP=swap,
+                 A_DECODED=swap,
                  NUM_STAGES=3)
     sig.update({n: "constexpr" for n in const})
     aligned = {"a_values", "a_scales", "a_global", "w_values", "w_scales", "w_global", "c", "offs_ptr", "N", "K",
@@ -156,6 +165,8 @@ def main() -> None:
     for tile in a.tile or list(TILES):
         for name in a.variant or list(VARIANTS):
             r = compile_variant(name, tile)
+            if r is None:  # packed weights need BLOCK_K % 64 == 0
+                continue
             o = r["ops"]
             print(f"| {tile} | {name} | {r['total']} | {r['regs']} | {r['spills']} | {o.get('PRMT', 0)} "
                   f"| {o.get('LOP3', 0)} | {o.get('FMUL', 0)} | {o.get('HMUL2', 0)} | {o.get('IMAD', 0)} |")

@@ -4,6 +4,7 @@ rows-ragged schedule; identical errors from both paths; opcheck of the custom op
 decode's instructions emulated on the host for every byte. ``-m gpu``: moderate sizes, both decodes,
 no host sync, CUDA-graph capture, torch.compile. Outputs start NaN-poisoned (conftest)."""
 
+import dataclasses
 import re
 
 import numpy as np
@@ -13,7 +14,14 @@ import torch
 import moekit
 from moekit import config, nvfp4
 from moekit._kernels import nvfp4_gemm as kernels
-from moekit.nvfp4_gemm import _grouped_mm_nvfp4_op, grouped_mm_nvfp4, grouped_mm_nvfp4_fwd, grouped_mm_nvfp4_ref
+from moekit.nvfp4_gemm import (
+    _grouped_mm_nvfp4_op,
+    grouped_mm_nvfp4,
+    grouped_mm_nvfp4_fwd,
+    grouped_mm_nvfp4_ref,
+    pack_weights,
+    unpack_weights,
+)
 from moekit.testing import offs_from_counts
 
 FP4, E4M3, U8 = torch.float4_e2m1fn_x2, torch.float8_e4m3fn, torch.uint8
@@ -157,6 +165,76 @@ def test_any_strides(interpreter):
 
 
 # --------------------------------------------------------------------------------------------------
+# packed weights: the byte order, and the kernel reading it
+# --------------------------------------------------------------------------------------------------
+
+
+def test_pack_weights_moves_each_byte_where_the_docstring_says():
+    """Byte 8g + 4h + t of every 32-byte chunk goes to 8t + 2g + h (loops, not the package's reshape);
+    unpack inverts; shape, dtype and device kept; the output is contiguous even from a strided input."""
+    w = torch.randint(0, 256, (3, 5, 96), dtype=U8)[:, :, :64]  # K = 128, a non-contiguous view
+    packed = pack_weights(w.view(FP4))
+    assert packed.dtype == FP4 and packed.shape == w.shape and packed.is_contiguous()
+    want = torch.empty_like(w)
+    for c in range(2):
+        for g in range(4):
+            for h in range(2):
+                for t in range(4):
+                    want[..., 32 * c + 8 * t + 2 * g + h] = w[..., 32 * c + 8 * g + 4 * h + t]
+    assert torch.equal(packed.view(U8), want)
+    assert torch.equal(unpack_weights(packed).view(U8), w)
+    assert torch.equal(unpack_weights(pack_weights(w)), w)  # uint8 in, uint8 out
+    with pytest.raises(ValueError, match="K a multiple of 64, got K = 96"):
+        pack_weights(w[..., :48])
+    with pytest.raises(TypeError, match="expected NVFP4 codes"):
+        pack_weights(w.float())
+
+
+# (counts, M, K, N, pinned tile or None for the heuristic's) with packed weights
+PACKED_CASES = [
+    pytest.param([9, 0, 14, 5], 30, 128, 40, None, id="heuristic-tail-rows"),
+    pytest.param([0, 21, 3], 24, 192, 33, None, id="three-k-steps-odd-n"),
+    pytest.param([7, 0, 4], 11, 192, 24, config.TileConfig(16, 32, 128, group_m=1, num_warps=4, num_stages=1,
+                                                           swap=True), id="swap-half-last-k-step"),
+    pytest.param([13, 11], 24, 64, 16, config.TileConfig(16, 16, 64, group_m=2, num_warps=4, num_stages=1),
+                 id="plain-one-chunk"),
+]
+
+
+@pytest.mark.parametrize("counts, m, k, n, cfg", PACKED_CASES)
+def test_packed_weights_give_the_same_bits(interpreter, counts, m, k, n, cfg):
+    args = _operands(counts, m, k, n)
+    packed = list(args)
+    packed[3] = pack_weights(args[3])
+    if cfg is None:
+        got, want = grouped_mm_nvfp4(*packed, w_packed=True), grouped_mm_nvfp4(*args)
+    else:
+        got, want = (grouped_mm_nvfp4_fwd(*packed, BF16, True, cfg=cfg),
+                     grouped_mm_nvfp4_fwd(*args, BF16, cfg=dataclasses.replace(cfg, block_k=32)))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    _assert_matches_oracle(got, args)
+    ref = grouped_mm_nvfp4_ref(*packed, w_packed=True)
+    assert torch.equal(ref.view(torch.int16), grouped_mm_nvfp4_ref(*args).view(torch.int16))
+
+
+def test_packed_weights_errors(interpreter):
+    """The same errors from the reference and the kernel path; a pinned tile whose BLOCK_K is not a
+    multiple of 64 is refused."""
+    args = _operands([5, 12], 20, 128, 16)
+    packed = list(args)
+    packed[3] = pack_weights(args[3])
+    strided = list(packed)
+    strided[3] = torch.cat([packed[3].view(U8)] * 2, dim=1)[:, ::2].view(FP4)
+    short = _operands([5, 12], 20, 96, 16)  # K = 96
+    for bad, message in ((strided, "must be contiguous"), (short, "K a multiple of 64, got K = 96")):
+        for call in (grouped_mm_nvfp4, grouped_mm_nvfp4_ref):
+            with pytest.raises(ValueError, match=message):
+                call(*bad, w_packed=True)
+    with pytest.raises(ValueError, match="block_k a multiple of 64, got 32"):
+        grouped_mm_nvfp4_fwd(*packed, BF16, True, cfg=config.TileConfig(16, 16, 32, num_warps=4, num_stages=1))
+
+
+# --------------------------------------------------------------------------------------------------
 # the inline-PTX decode (GPU only), its instructions emulated on the host
 # --------------------------------------------------------------------------------------------------
 
@@ -211,6 +289,8 @@ def _run_ptx(asm: str, inputs: dict[str, int]) -> dict[str, int]:
             r = v[0] & v[1]
         elif op == "shl.b32":
             r = (v[0] << v[1]) & 0xFFFFFFFF
+        elif op == "shr.b32":  # unsigned (.b32): zeros shift in
+            r = (v[0] & 0xFFFFFFFF) >> v[1]
         elif op == "bfi.b32":  # insert v[0]'s low v[3] bits into v[1] at bit v[2]
             mask = ((1 << v[3]) - 1) << v[2]
             r = (v[1] & ~mask & 0xFFFFFFFF) | ((v[0] << v[2]) & mask)
@@ -244,6 +324,27 @@ def test_ptx_decode_on_every_byte_and_scale_code():
             want = _E2M1[[b & 15, b >> 4]] * float(torch.tensor([c], dtype=U8).view(E4M3).float())
             assert np.array_equal(got.astype(np.float64), want.numpy()), (b, c, got, want)
             assert np.array_equal(np.signbit(got), np.signbit(want.numpy())), (b, c, got)
+
+
+def test_ptx_word_decode_on_every_byte_in_every_position():
+    """``_E2M1_WORD_F16`` (packed weights): each of the four bytes of a word decodes to its two elements
+    times its block's scale ($9 for bytes 0-1, $10 for bytes 2-3), bit for bit, for every byte value in
+    every position beside random neighbours."""
+    gen = np.random.default_rng(1)
+    codes = [0x00, 0x01, 0x38, 0x7E, 0x80, 0xB9, 0xFE]  # zero, the smallest subnormal, 1, 448, -0, ...
+    scale = {c: _run_ptx(kernels._E4M3_F16.value, {"$1": c})["$0"] for c in codes}
+    value = {c: float(torch.tensor([c], dtype=U8).view(E4M3).float()) for c in codes}
+    for pos in range(4):
+        for b in range(256):
+            word = [int(x) for x in gen.integers(0, 256, 4)]
+            word[pos] = b
+            c0, c1 = (int(x) for x in gen.choice(codes, 2))
+            r = _run_ptx(kernels._E2M1_WORD_F16.value,
+                         {"$8": sum(x << 8 * i for i, x in enumerate(word)), "$9": scale[c0], "$10": scale[c1]})
+            got = _f16x2(r[f"${2 * pos}"] | r[f"${2 * pos + 1}"] << 16)
+            want = _E2M1[[b & 15, b >> 4]] * value[c0 if pos < 2 else c1]
+            assert np.array_equal(got.astype(np.float64), want.numpy()), (pos, b, got, want)
+            assert np.array_equal(np.signbit(got), np.signbit(want.numpy())), (pos, b, got)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -310,14 +411,17 @@ def test_errors_are_identical_on_both_paths(interpreter, breaks, error, message)
 # --------------------------------------------------------------------------------------------------
 
 
-def _op_args(args, out_dtype=BF16):
+def _op_args(args, out_dtype=BF16, w_packed=False):
     a_v, a_s, a_g, w_v, w_s, w_g, offs = args
-    return (a_v.view(U8), a_s.view(U8), a_g, w_v.view(U8), w_s.view(U8), w_g, offs, out_dtype)
+    if w_packed:
+        w_v = pack_weights(w_v)
+    return (a_v.view(U8), a_s.view(U8), a_g, w_v.view(U8), w_s.view(U8), w_g, offs, out_dtype, w_packed)
 
 
-def test_custom_op_passes_opcheck(interpreter):
-    args = _operands([6, 0, 9], 17, 32, 16)
-    torch.library.opcheck(_grouped_mm_nvfp4_op, _op_args(args))
+@pytest.mark.parametrize("w_packed", [False, True])
+def test_custom_op_passes_opcheck(interpreter, w_packed):
+    args = _operands([6, 0, 9], 17, 64, 16)
+    torch.library.opcheck(_grouped_mm_nvfp4_op, _op_args(args, w_packed=w_packed))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -366,6 +470,31 @@ def test_pinned_tiles_gpu(cfg, ptx):
 
 @gpu
 @pytest.mark.parametrize("ptx", DECODES)
+@pytest.mark.parametrize("cfg", [
+    pytest.param(None, id="heuristic"),
+    pytest.param(config.TileConfig(16, 128, 128, group_m=1, num_warps=4, num_stages=3, programs_per_sm=4, swap=True),
+                 id="swap16-bk128"),
+    pytest.param(config.TileConfig(64, 128, 64, group_m=1, num_warps=4, num_stages=3, programs_per_sm=2, swap=True),
+                 id="swap64-bk64"),
+    pytest.param(config.TileConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3), id="plain128-bk64"),
+])
+def test_packed_weights_gpu(cfg, ptx):
+    """Packed weights (the word decode with ``ptx``) give the bits of the K-ordered ones on the same tile,
+    K = 1088 (a last K step of 64 with BLOCK_K 128), experts past the M tile, an empty one, tail rows."""
+    args = _operands([5, 70, 0, 16, 33, 1], 140, 1088, 640, device=DEV)
+    packed = list(args)
+    packed[3] = pack_weights(args[3])
+    with moekit.options(nvfp4_ptx_decode=ptx):
+        if cfg is None:
+            got, want = grouped_mm_nvfp4(*packed, w_packed=True), grouped_mm_nvfp4(*args)
+        else:
+            got, want = grouped_mm_nvfp4_fwd(*packed, BF16, True, cfg=cfg), grouped_mm_nvfp4_fwd(*args, BF16, cfg=cfg)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    _assert_matches_oracle(got, args)
+
+
+@gpu
+@pytest.mark.parametrize("ptx", DECODES)
 @pytest.mark.parametrize("swap", [True, False])
 def test_the_decode_is_exact_for_every_scale_code_gpu(ptx, swap):
     """As the interpreter test above, on the GPU, each decode and each tile form: bit for bit."""
@@ -387,13 +516,16 @@ def test_the_decode_is_exact_for_every_scale_code_gpu(ptx, swap):
 
 
 @gpu
-def test_no_host_sync_gpu():
-    args = _operands([100, 0, 257, 31], 400, 256, 384, device=DEV)
-    want = grouped_mm_nvfp4(*args)  # compiles the kernel
+@pytest.mark.parametrize("w_packed", [False, True])
+def test_no_host_sync_gpu(w_packed):
+    args = list(_operands([100, 0, 257, 31], 400, 256, 384, device=DEV))
+    if w_packed:
+        args[3] = pack_weights(args[3])
+    want = grouped_mm_nvfp4(*args, w_packed=w_packed)  # compiles the kernel
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        got = grouped_mm_nvfp4(*args)
+        got = grouped_mm_nvfp4(*args, w_packed=w_packed)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))

@@ -352,7 +352,7 @@ def swiglu_bwd_blocks() -> tuple[int, int, int, int]:
     return (16, 16, 4, 1) if is_interpreting() else (16, 64, 8, 1)
 
 
-def nvfp4_gemm_config(m: int, e: int, device: torch.device) -> TileConfig:
+def nvfp4_gemm_config(m: int, e: int, device: torch.device, packed: bool = False) -> TileConfig:
     """The tile of the emulated NVFP4 grouped GEMM (``nvfp4_gemm``) for m rows over e experts. BLOCK_K is
     a power of two and a multiple of 16 (whole scale blocks).
 
@@ -362,11 +362,13 @@ def nvfp4_gemm_config(m: int, e: int, device: torch.device) -> TileConfig:
       64 rows per expert; 128 was faster at 16).
     * Otherwise a 128 x 128 x 32 tile with 8 warps; the decode holds both operand tiles in registers
       (168 per thread; BLOCK_K 64 takes 252, not timed since the decode by bit placement).
+    * ``packed`` weights (``nvfp4_gemm.pack_weights``) need BLOCK_K a multiple of 64: 64 for the
+      128 x 128 tile.
     Measured on an H100: ``benchmarks/bench_nvfp4.py``."""
     if device.type != "cuda":
-        return _NVFP4_INTERPRETER_CONFIG
+        return dataclasses.replace(_NVFP4_INTERPRETER_CONFIG, block_k=64) if packed else _NVFP4_INTERPRETER_CONFIG
     if m <= 64 * e:
         block_m = 16 if m <= 16 * e else 32 if m <= 32 * e else 64
         return TileConfig(block_m=block_m, block_n=128, block_k=128 if block_m <= 32 else 64, group_m=1,
                           num_warps=4, num_stages=3, programs_per_sm=4, swap=True)
-    return TileConfig(block_m=128, block_n=128, block_k=32, group_m=8, num_warps=8, num_stages=3)
+    return TileConfig(block_m=128, block_n=128, block_k=64 if packed else 32, group_m=8, num_warps=8, num_stages=3)

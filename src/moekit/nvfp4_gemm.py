@@ -45,8 +45,10 @@ def _check_dtype(t, name: str, dtype: torch.dtype) -> None:
         raise TypeError(f"{_NAME}: {name} must be a {dtype} tensor, got {_describe(t)}")
 
 
-def check_inputs(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out_dtype) -> None:
-    """Dtypes, shapes, K % 16 and devices: everything that needs no host sync (see ``grouped_mm_nvfp4``)."""
+def check_inputs(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out_dtype,
+                 w_packed: bool = False) -> None:
+    """Dtypes, shapes, K % 16 (K % 64 and contiguous weights when ``w_packed``) and devices: everything
+    that needs no host sync (see ``grouped_mm_nvfp4``)."""
     for t, name, dtype in (
         (a_values, "a_values", FP4), (a_scales, "a_scales", E4M3), (a_global, "a_global", torch.float32),
         (w_values, "w_values", FP4), (w_scales, "w_scales", E4M3), (w_global, "w_global", torch.float32),
@@ -76,10 +78,58 @@ def check_inputs(a_values, a_scales, a_global, w_values, w_scales, w_global, off
         raise ValueError(f"{_NAME}: offs must be 1-D with E = {e} entries, got shape {tuple(offs.shape)}")
     if e == 0:
         raise ValueError(f"{_NAME}: there must be at least one expert (E >= 1)")
+    if w_packed:
+        _check_packable(w_values, _NAME)
     for t, name in ((a_scales, "a_scales"), (a_global, "a_global"), (w_values, "w_values"),
                     (w_scales, "w_scales"), (w_global, "w_global"), (offs, "offs")):
         if t.device != a_values.device:
             raise ValueError(f"{_NAME}: {name} is on {t.device} but a_values on {a_values.device}")
+
+
+def _check_pack_k(values, name: str) -> None:
+    if not isinstance(values, torch.Tensor) or values.dtype not in (FP4, torch.uint8) or values.dim() < 1:
+        raise TypeError(f"{name}: expected NVFP4 codes (..., K / 2) as {FP4} or uint8, got {_describe(values)}")
+    if values.shape[-1] % PACK_CHUNK:
+        raise ValueError(f"{name}: packed weights need K a multiple of {2 * PACK_CHUNK}, got K = "
+                         f"{2 * values.shape[-1]} ({tuple(values.shape)})")
+
+
+def _check_packable(w_values, name: str) -> None:
+    _check_pack_k(w_values, name)
+    if not w_values.is_contiguous():
+        raise ValueError(f"{name}: packed weights must be contiguous, as pack_weights returns them; got strides "
+                         f"{w_values.stride()} for w_values {tuple(w_values.shape)}")
+
+
+# --------------------------------------------------------------------------------------------------
+# the packed weight order
+# --------------------------------------------------------------------------------------------------
+
+PACK_CHUNK = 32  # bytes (64 elements, four scale blocks) per permuted chunk of a row
+
+
+def pack_weights(w_values: torch.Tensor) -> torch.Tensor:
+    """NVFP4 weight codes (..., N, K / 2) ``float4_e2m1fn_x2`` (or uint8) -> the same bytes in the order the
+    GEMM's Hopper kernel reads fastest, contiguous, same shape and dtype; K a multiple of 64.
+
+    Within each 32-byte chunk of a row (64 elements, four scale blocks), byte ``8g + 4h + t`` (block g,
+    its half h, t in 0-3) moves to ``8t + 2g + h``. In the wgmma register layout that the decoded
+    weights feed, thread t of a quad holds bytes t and t + 4 of every block; after packing they are 8
+    consecutive bytes, which the kernel loads as two 32-bit words and decodes four bytes at a time
+    (``grouped_mm_nvfp4(..., w_packed=True)``). Pure PyTorch, any device; ``unpack_weights`` inverts it.
+    The scales keep their layout."""
+    _check_pack_k(w_values, "pack_weights")
+    b = w_values.view(torch.uint8)
+    chunks = b.unflatten(-1, (-1, 4, 2, 4))  # (..., chunk, g, h, t)
+    return chunks.permute(*range(b.dim() - 1), -4, -1, -3, -2).contiguous().flatten(-4).view(w_values.dtype)
+
+
+def unpack_weights(w_values: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``pack_weights``: packed codes (..., N, K / 2) -> the K-ordered codes, contiguous."""
+    _check_pack_k(w_values, "unpack_weights")
+    b = w_values.view(torch.uint8)
+    chunks = b.unflatten(-1, (-1, 4, 4, 2))  # (..., chunk, t, g, h)
+    return chunks.permute(*range(b.dim() - 1), -4, -2, -1, -3).contiguous().flatten(-4).view(w_values.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -103,12 +153,15 @@ def grouped_mm_nvfp4_ref(
     offs: torch.Tensor,
     *,
     out_dtype: torch.dtype = torch.bfloat16,
+    w_packed: bool = False,
 ) -> torch.Tensor:
     """Reference for ``grouped_mm_nvfp4`` (same arguments, same errors): the operands decoded to
     ``e2m1 value * e4m3 scale`` in float64 (exact), one float64 matmul per expert, times
     ``a_global * w_global[g]`` in float64, one rounding to ``out_dtype``. Rows past offs[-1] are 0.
     Reads ``offs`` on the host (a sync; the kernel path never does)."""
-    check_inputs(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out_dtype)
+    check_inputs(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out_dtype, w_packed)
+    if w_packed:
+        w_values = unpack_weights(w_values)
     m, n = a_values.shape[0], w_values.shape[1]
     a = _decode64(a_values, a_scales)  # (M, K)
     out = torch.zeros(m, n, dtype=torch.float64, device=a_values.device)
@@ -138,11 +191,12 @@ def _one(device: torch.device) -> torch.Tensor:
 
 
 def grouped_mm_nvfp4_fwd(
-    a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out_dtype,
+    a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out_dtype, w_packed: bool = False,
     cfg: config.TileConfig | None = None,
 ) -> torch.Tensor:
     """Launch the kernel on validated inputs; float4 / float8 tensors or their uint8 views (any strides,
-    the output's column stride 1). ``cfg`` pins a tile (tests); BLOCK_K must be a power of two >= 16."""
+    the output's column stride 1; packed weights contiguous). ``cfg`` pins a tile (tests); BLOCK_K must
+    be a power of two >= 16, and a multiple of 64 with packed weights."""
     (m, half), (e, n, _) = a_values.shape, w_values.shape
     k = 2 * half
     out = config.empty((m, n), dtype=out_dtype, device=a_values.device)
@@ -150,10 +204,12 @@ def grouped_mm_nvfp4_fwd(
         return out
     if k == 0:
         return out.zero_()
-    cfg = cfg or config.nvfp4_gemm_config(m, e, a_values.device)
+    cfg = cfg or config.nvfp4_gemm_config(m, e, a_values.device, w_packed)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     if bk % BLOCK or bk & (bk - 1):
         raise ValueError(f"{_NAME}: block_k must be a power of two and a multiple of {BLOCK}, got {bk}")
+    if w_packed and bk % (2 * PACK_CHUNK):
+        raise ValueError(f"{_NAME}: packed weights need block_k a multiple of {2 * PACK_CHUNK}, got {bk}")
     max_tiles = (triton.cdiv(m, bm) + e + 1) * triton.cdiv(n, bn)  # each expert adds <= 1 partial row tile
     programs = min(config.num_sms(a_values.device) * cfg.programs_per_sm, max_tiles)
     ptx = config.use_nvfp4_ptx_decode(a_values.device)
@@ -174,7 +230,8 @@ def grouped_mm_nvfp4_fwd(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(e + 1),
         OP_DTYPE={torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[op_dtype],
-        PTX=ptx, SWAP=cfg.swap, A_DECODED=cfg.swap, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+        PTX=ptx, W_PACKED=w_packed, SWAP=cfg.swap, A_DECODED=cfg.swap, NUM_STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps,
     )
     return out
 
@@ -188,13 +245,14 @@ def grouped_mm_nvfp4_fwd(
 def _grouped_mm_nvfp4_op(
     a_values: torch.Tensor, a_scales: torch.Tensor, a_global: torch.Tensor,
     w_values: torch.Tensor, w_scales: torch.Tensor, w_global: torch.Tensor,
-    offs: torch.Tensor, out_dtype: torch.dtype,
+    offs: torch.Tensor, out_dtype: torch.dtype, w_packed: bool,
 ) -> torch.Tensor:
-    return grouped_mm_nvfp4_fwd(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out_dtype)
+    return grouped_mm_nvfp4_fwd(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out_dtype,
+                                w_packed)
 
 
 @_grouped_mm_nvfp4_op.register_fake
-def _(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out_dtype):
+def _(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out_dtype, w_packed):
     return a_values.new_empty((a_values.shape[0], w_values.shape[1]), dtype=out_dtype)
 
 
@@ -213,6 +271,7 @@ def grouped_mm_nvfp4(
     offs: torch.Tensor,
     *,
     out_dtype: torch.dtype = torch.bfloat16,
+    w_packed: bool = False,
 ) -> torch.Tensor:
     """Grouped GEMM of NVFP4 activations with NVFP4 expert weights, rows ragged by expert. Forward only.
 
@@ -232,7 +291,11 @@ def grouped_mm_nvfp4(
     - ``offs`` (E,) int32 cumulative row ends on the device, non-decreasing, offs[-1] <= M (never read
       by the host; out-of-range values are clamped as in ``grouped_mm``).
 
-    Any strides are accepted. Numerics: ``e2m1 * e4m3`` products are exact in bf16, so the result is
+    ``w_packed=True``: ``w_values`` comes from ``pack_weights`` (K a multiple of 64, contiguous), whose
+    byte order the Hopper kernel reads with word loads and decodes four bytes at a time; pack the
+    weights once and reuse them. Otherwise any strides are accepted.
+
+    Numerics: ``e2m1 * e4m3`` products are exact in f16 and bf16, so the result is
     ``sum_K (a value * a scale) * (w value * w scale)`` accumulated in fp32, times
     ``a_global * w_global[g]`` in fp32, rounded once to ``out_dtype``; ``grouped_mm_nvfp4_ref`` computes
     the same in float64. A NaN scale code (0x7F / 0xFF, which ``nvfp4.quantize`` never writes) gives
@@ -242,10 +305,10 @@ def grouped_mm_nvfp4(
     elsewhere (or with the ``reference`` option) the pure-PyTorch ``grouped_mm_nvfp4_ref``. Under
     torch.compile it is the custom op ``moekit::grouped_mm_nvfp4``.
     """
-    check_inputs(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out_dtype)
+    check_inputs(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out_dtype, w_packed)
     if not config.uses_triton(a_values.device):
         return grouped_mm_nvfp4_ref(a_values, a_scales, a_global, w_values, w_scales, w_global, offs,
-                                    out_dtype=out_dtype)
+                                    out_dtype=out_dtype, w_packed=w_packed)
     args = (a_values.view(torch.uint8), a_scales.view(torch.uint8), a_global,
-            w_values.view(torch.uint8), w_scales.view(torch.uint8), w_global, offs, out_dtype)
+            w_values.view(torch.uint8), w_scales.view(torch.uint8), w_global, offs, out_dtype, w_packed)
     return _run(_grouped_mm_nvfp4_op, grouped_mm_nvfp4_fwd, *args)

@@ -62,6 +62,45 @@ mul.rn.f16x2 p, p, sc;
 mov.b32 {$0, $1}, p;
 }""")
 
+# Packed weights (``PACKED``; ``nvfp4_gemm.pack_weights``): one 32-bit word ($8) per asm instance, the
+# four bytes a thread of the wgmma register layout needs from two 16-element blocks (its elements 2t,
+# 2t+1 and 2t+8, 2t+9 of each), -> those 8 elements in f16 ($0-$7, two per byte, the low nibble
+# first). $9 and $10 are the two blocks' scales in f16. The same steps as the byte decode above, four
+# bytes at a time where a word allows: one mask, two table lookups (four magnitudes each), then per
+# byte a prmt to spread its pair, a prmt + lop3 for its signs and a packed multiply.
+_E2M1_WORD_F16 = tl.constexpr("""{
+.reg .b32 m, mh, h0, h1, p0, p1, p2, p3, v4, g, ta, tb, sa, sb;
+mov.b32 ta, 0x3E3C3800;
+mov.b32 tb, 0x46444240;
+and.b32 m, $8, 0x77777777;
+shr.b32 mh, m, 16;
+prmt.b32 h0, ta, tb, m;
+prmt.b32 h1, ta, tb, mh;
+prmt.b32 p0, h0, 0, 0x1404;
+prmt.b32 p1, h0, 0, 0x3424;
+prmt.b32 p2, h1, 0, 0x1404;
+prmt.b32 p3, h1, 0, 0x3424;
+shl.b32 v4, $8, 4;
+prmt.b32 g, v4, $8, 0x4000;
+lop3.b32 p0, p0, g, 0x80008000, 0xf8;
+prmt.b32 g, v4, $8, 0x5010;
+lop3.b32 p1, p1, g, 0x80008000, 0xf8;
+prmt.b32 g, v4, $8, 0x6020;
+lop3.b32 p2, p2, g, 0x80008000, 0xf8;
+prmt.b32 g, v4, $8, 0x7030;
+lop3.b32 p3, p3, g, 0x80008000, 0xf8;
+mov.b32 sa, {$9, $9};
+mov.b32 sb, {$10, $10};
+mul.rn.f16x2 p0, p0, sa;
+mul.rn.f16x2 p1, p1, sa;
+mul.rn.f16x2 p2, p2, sb;
+mul.rn.f16x2 p3, p3, sb;
+mov.b32 {$0, $1}, p0;
+mov.b32 {$2, $3}, p1;
+mov.b32 {$4, $5}, p2;
+mov.b32 {$6, $7}, p3;
+}""")
+
 # An e4m3 scale code (the low byte of $1) as f16, exact (every e4m3 value is an f16 normal or 0; the
 # NaN code 0x7F stays NaN).
 _E4M3_F16 = tl.constexpr("""{
@@ -95,18 +134,49 @@ def _load_byte_tile(ptr, row, col, row_end, col_end, stride_r, stride_c, BLOCK_R
 
 
 @triton.jit
+def _decode_words(values, sc, row, k, row_end, K, stride_vr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A packed weight tile (``PACKED`` and ``PTX``): its bytes loaded as 32-bit words (unit byte stride,
+    rows 4-byte aligned), decoded by ``_E2M1_WORD_F16`` and put back in K order; ``sc`` the tile's
+    scale codes [BLOCK_R, BLOCK_K / 16]. Word w of a 64-element chunk c holds, for t = (w // 2) and
+    j = w % 2, the bytes t and t + 4 of blocks 2j and 2j + 1 (``nvfp4_gemm.pack_weights``)."""
+    C: tl.constexpr = BLOCK_K // 64
+    rows = row + tl.arange(0, BLOCK_R)
+    cols = k // 8 + tl.arange(0, BLOCK_K // 8)
+    words = (values + rows[:, None].to(tl.int64) * stride_vr).to(tl.pointer_type(tl.int32)) + cols[None, :]
+    w = tl.load(words, mask=(rows < row_end)[:, None] & (cols < K // 8)[None, :], other=0)
+    s = tl.inline_asm_elementwise(_E4M3_F16, "=h,r", [sc], dtype=tl.float16, is_pure=True, pack=1)
+    s0, s1 = tl.split(tl.reshape(s, [BLOCK_R, C, 2, 2]))  # the scales of blocks 2j and 2j + 1, [R, C, j]
+    s0 = tl.reshape(tl.broadcast_to(s0[:, :, None, :], [BLOCK_R, C, 4, 2]), [BLOCK_R, BLOCK_K // 8])
+    s1 = tl.reshape(tl.broadcast_to(s1[:, :, None, :], [BLOCK_R, C, 4, 2]), [BLOCK_R, BLOCK_K // 8])
+    o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+        _E2M1_WORD_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [w, s0, s1], dtype=(tl.float16,) * 8, is_pure=True,
+        pack=1)
+    x = tl.join(tl.join(tl.join(o0, o1), tl.join(o2, o3)), tl.join(tl.join(o4, o5), tl.join(o6, o7)))
+    x = tl.reshape(x, [BLOCK_R, C, 4, 2, 2, 2, 2])  # [R, c, t, j, e, h, gg] (each join adds a last dim)
+    x = tl.permute(x, [0, 1, 3, 6, 5, 2, 4])  # [R, c, j, gg, h, t, e]: element 16g + 8h + 2t + e, g = 2j + gg
+    return tl.reshape(x, [BLOCK_R, BLOCK_K])
+
+
+@triton.jit
 def _load_nvfp4(
     values, scales,  # one operand's bytes: values (rows, K / 2), scales (rows, K / 16) uint8, strided
     row, k, row_end, K,
     stride_vr, stride_vk, stride_sr, stride_sk,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, OP_DTYPE: tl.constexpr, PTX: tl.constexpr,
+    PACKED: tl.constexpr = False,
 ):
     """The [BLOCK_R, BLOCK_K] tile at (row, k) decoded to e2m1 value * block scale in ``OP_DTYPE``
     (exact: module docstring; f16 when ``PTX``). Rows >= row_end and columns >= K read as 0 (a zero
-    code and scale)."""
+    code and scale). ``PACKED``: the bytes are in ``nvfp4_gemm.pack_weights``'s order (BLOCK_K a
+    multiple of 64, unit byte stride)."""
     NB: tl.constexpr = BLOCK_K // 16
-    b = _load_byte_tile(values, row, k // 2, row_end, K // 2, stride_vr, stride_vk, BLOCK_R, BLOCK_K // 2)
     sc = _load_byte_tile(scales, row, k // 16, row_end, K // 16, stride_sr, stride_sk, BLOCK_R, NB)
+    if PACKED and PTX:
+        return _decode_words(values, sc, row, k, row_end, K, stride_vr, BLOCK_R, BLOCK_K)
+    b = _load_byte_tile(values, row, k // 2, row_end, K // 2, stride_vr, stride_vk, BLOCK_R, BLOCK_K // 2)
+    if PACKED:  # back to K order: byte 8t + 2g + h of a 32-byte chunk is byte 8g + 4h + t
+        b = tl.reshape(tl.permute(tl.reshape(b, [BLOCK_R, BLOCK_K // 64, 4, 4, 2]), [0, 1, 3, 4, 2]),
+                       [BLOCK_R, BLOCK_K // 2])
     if PTX:
         s = tl.inline_asm_elementwise(_E4M3_F16, "=h,r", [sc], dtype=tl.float16, is_pure=True, pack=1)
         s = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_R, NB, 8]), [BLOCK_R, BLOCK_K // 2])  # per byte
@@ -134,6 +204,7 @@ def _grouped_mm_nvfp4_kernel(
     GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
     OP_DTYPE: tl.constexpr,  # f16 with PTX; else bf16 on a GPU, fp32 on the interpreter (its bf16 tl.dot is wrong)
     PTX: tl.constexpr,  # the inline-PTX decode (sm_89 and newer)
+    W_PACKED: tl.constexpr,  # w_values in nvfp4_gemm.pack_weights's byte order (contiguous, K % 64 == 0)
     SWAP: tl.constexpr, A_DECODED: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -160,7 +231,7 @@ def _grouped_mm_nvfp4_kernel(
                 a_tile = _load_nvfp4(a_values, a_scales, row, k, end, K, stride_avm, stride_avk, stride_asm,
                                      stride_ask, BLOCK_M, BLOCK_K, OP_DTYPE, PTX)
             w_tile = _load_nvfp4(wv, ws, col, k, N, K, stride_wvn, stride_wvk, stride_wsn, stride_wsk,
-                                 BLOCK_N, BLOCK_K, OP_DTYPE, PTX)
+                                 BLOCK_N, BLOCK_K, OP_DTYPE, PTX, W_PACKED)
             if SWAP:
                 acc_t = tl.dot(w_tile, a_tile.T, acc_t)
             else:
