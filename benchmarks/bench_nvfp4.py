@@ -4,7 +4,8 @@
 - the fused up-projection writing NVFP4 h against moekit's bf16 fused up-projection;
 - the NVFP4 grouped GEMM against moekit's bf16 grouped GEMM, at few rows per expert (weight-bandwidth
   bound) and at gpt-oss-20b training size, with each of its two decodes (the ``nvfp4_ptx_decode``
-  option) and with packed weights (``nvfp4_gemm.pack_weights``).
+  option) and with packed weights (``nvfp4_gemm.pack_weights``); with many rows per expert the op
+  dequantizes both operands and runs the bf16 GEMM instead (``config.nvfp4_gemm_dequantizes``).
 
     python benchmarks/bench_nvfp4.py
 """
@@ -12,7 +13,7 @@
 import torch
 
 import moekit
-from moekit import nvfp4
+from moekit import config, nvfp4
 from moekit.bench import bench_ms, copy_bandwidth_gbs, environment
 from moekit.nvfp4_gemm import pack_weights
 
@@ -63,8 +64,11 @@ def main():
         wv, ws, wg = nvfp4.quantize_weights(w)
         wp = pack_weights(wv)
         t_bf16 = bench_ms(lambda q=(a, w, o): moekit.grouped_mm(*q))
-        for ptx, packed, decode in ((True, True, "PTX decode, packed weights"), (True, False, "PTX decode"),
-                                    (False, False, "Triton-op decode")):
+        variants = ((True, True, "PTX decode, packed weights"), (True, False, "PTX decode"),
+                    (False, False, "Triton-op decode"))
+        if config.nvfp4_gemm_dequantizes(mm, e):  # the decode does not run: both operands go to bf16 first
+            variants = ((True, True, "dequantized to bf16, packed weights"), (True, False, "dequantized to bf16"))
+        for ptx, packed, decode in variants:
             with moekit.options(nvfp4_ptx_decode=ptx):
                 t_fp4 = bench_ms(lambda q=(av, as_, ag, wp if packed else wv, ws, wg, o), p=packed:
                                  moekit.grouped_mm_nvfp4(*q, w_packed=p))

@@ -48,7 +48,7 @@ def _signature(kernel, cfg: TileConfig, tma: bool, b_trans: bool, ones_row: bool
     const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, USE_TMA=tma, SPLIT_STORE=cfg.split_store,
                  DOT_F32=False, FLATTEN=cfg.flatten)
     if not ragged_k:
-        const.update(BLOCK_E=64, B_TRANS=b_trans, bias=None)
+        const.update(BLOCK_E=64, B_TRANS=b_trans, bias=None, group_scale=None)
     elif ones_row:
         descs["colsum"] = "*fp32"
     else:

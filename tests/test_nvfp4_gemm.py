@@ -95,6 +95,7 @@ CASES = [
     pytest.param([0, 0], 10, 16, 8, id="all-tail"),  # rows, but no expert owns any: all zeros
     pytest.param([1], 1, 16, 8, id="one-row"),  # T = 1, E = 1
     pytest.param([3, 0, 2, 5, 1, 0, 4, 2, 1], 20, 32, 16, id="e9"),  # many experts, E + 1 not a power of 2
+    pytest.param([150, 0, 41], 200, 64, 40, id="dequantized"),  # > 64 rows per expert: dequantize + bf16 GEMM
 ]
 
 
@@ -110,8 +111,10 @@ def test_kernel_and_reference_match_the_oracle(interpreter, counts, m, k, n):
 
 
 @pytest.mark.parametrize("out_dtype", [F32, torch.float16])
-def test_other_output_dtypes(interpreter, out_dtype):
-    args = _operands([6, 0, 11], 19, 32, 24)
+@pytest.mark.parametrize("counts, m", [([6, 0, 11], 19), ([140, 0, 70], 215)], ids=["decoded", "dequantized"])
+def test_other_output_dtypes(interpreter, out_dtype, counts, m):
+    args = _operands(counts, m, 32, 24)
+    assert config.nvfp4_gemm_dequantizes(m, len(counts)) == (m > 64 * len(counts))
     _assert_matches_oracle(grouped_mm_nvfp4(*args, out_dtype=out_dtype), args)
     _assert_matches_oracle(grouped_mm_nvfp4_ref(*args, out_dtype=out_dtype), args)
 
@@ -198,6 +201,7 @@ PACKED_CASES = [
                                                            swap=True), id="swap-half-last-k-step"),
     pytest.param([13, 11], 24, 64, 16, config.TileConfig(16, 16, 64, group_m=2, num_warps=4, num_stages=1),
                  id="plain-one-chunk"),
+    pytest.param([150, 0, 41], 200, 128, 40, None, id="dequantized"),
 ]
 
 

@@ -352,6 +352,17 @@ def swiglu_bwd_blocks() -> tuple[int, int, int, int]:
     return (16, 16, 4, 1) if is_interpreting() else (16, 64, 8, 1)
 
 
+NVFP4_DECODE_ROWS = 64  # rows per expert up to which the NVFP4 GEMM decodes in its main loop
+
+
+def nvfp4_gemm_dequantizes(m: int, e: int) -> bool:
+    """Whether the NVFP4 grouped GEMM of m rows over e experts dequantizes both operands to bf16 first
+    and runs the bf16 grouped GEMM (above ``NVFP4_DECODE_ROWS`` rows per expert on average: there the
+    GEMM is compute-bound, and decoding every tile in the main loop ran at 0.22-0.27x of bf16 on an
+    H100), rather than decoding in the main loop (``nvfp4_gemm_config``)."""
+    return m > NVFP4_DECODE_ROWS * e
+
+
 def nvfp4_gemm_config(m: int, e: int, device: torch.device, packed: bool = False) -> TileConfig:
     """The tile of the emulated NVFP4 grouped GEMM (``nvfp4_gemm``) for m rows over e experts. BLOCK_K is
     a power of two and a multiple of 16 (whole scale blocks).
@@ -360,14 +371,15 @@ def nvfp4_gemm_config(m: int, e: int, device: torch.device, packed: bool = False
       tile of 16, 32 or 64 rows, the smallest that holds the average expert's rows, so the GEMM decodes
       each weight tile about once. BLOCK_K 128, or 64 with the 64-row tile (0.50 against 0.54 ms at
       64 rows per expert; 128 was faster at 16).
-    * Otherwise a 128 x 128 x 32 tile with 8 warps; the decode holds both operand tiles in registers
-      (168 per thread; BLOCK_K 64 takes 252, not timed since the decode by bit placement).
+    * Otherwise (pinned tiles and the interpreter; with more rows per expert the launcher takes
+      ``nvfp4_gemm_dequantizes``) a 128 x 128 x 32 tile with 8 warps; the decode holds both operand
+      tiles in registers (168 per thread).
     * ``packed`` weights (``nvfp4_gemm.pack_weights``) need BLOCK_K a multiple of 64: 64 for the
       128 x 128 tile.
     Measured on an H100: ``benchmarks/bench_nvfp4.py``."""
     if device.type != "cuda":
         return dataclasses.replace(_NVFP4_INTERPRETER_CONFIG, block_k=64) if packed else _NVFP4_INTERPRETER_CONFIG
-    if m <= 64 * e:
+    if m <= NVFP4_DECODE_ROWS * e:
         block_m = 16 if m <= 16 * e else 32 if m <= 32 * e else 64
         return TileConfig(block_m=block_m, block_n=128, block_k=128 if block_m <= 32 else 64, group_m=1,
                           num_warps=4, num_stages=3, programs_per_sm=4, swap=True)

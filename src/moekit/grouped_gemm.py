@@ -28,8 +28,10 @@ from .validation import check_inputs, check_offs, matrix_ready
 # --------------------------------------------------------------------------------------------------
 
 
-def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None, bias=None):
-    """2D x 3D: a (M, K), b (E, K, N), optional bias (E, N) -> (M, N); rows past offs[-1] are zero."""
+def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None, bias=None, group_scale=None):
+    """2D x 3D: a (M, K), b (E, K, N), optional bias (E, N) -> (M, N); rows past offs[-1] are zero.
+    ``group_scale`` (E,) fp32: group g's product times group_scale[g] in fp32, before the bias (the
+    Triton kernel; the warp-specialized one has no such epilogue)."""
     (m, k), (e, _, n) = a.shape, b.shape
     out = config.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
@@ -37,7 +39,7 @@ def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None, bias=None):
     if k == 0 and bias is None:
         return out.zero_()
     a_trans, b_trans = a.stride(1) != 1, b.stride(2) != 1
-    if cfg is None and ws_rows_ragged(a, b, out, b_trans):
+    if cfg is None and group_scale is None and ws_rows_ragged(a, b, out, b_trans):
         return ws_gemm(a, b, offs, out, bias=bias)
     # A TMA box must start 16-byte aligned along the unit-stride axis; groups start at any row, so an
     # `a` with unit stride along M (a.mT views) takes the pointer path.
@@ -63,7 +65,7 @@ def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None, bias=None):
     max_tiles = (triton.cdiv(m, bm) + e + 1) * triton.cdiv(n, bn)  # each group adds <= 1 partial row tile
     programs = min(config.num_sms(a.device) * cfg.programs_per_sm, max_tiles)
     _grouped_mm_ragged_m_kernel[(programs,)](
-        a_arg, b_arg, c_arg, offs, bias,
+        a_arg, b_arg, c_arg, offs, bias, group_scale,
         m, n, k, e,
         a.stride(0), a.stride(1),
         b.stride(0), b.stride(1), b.stride(2),

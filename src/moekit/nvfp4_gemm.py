@@ -23,6 +23,7 @@ import triton.language as tl
 
 from . import config
 from ._kernels.nvfp4_gemm import _grouped_mm_nvfp4_kernel
+from .grouped_gemm import _ragged_m
 from .nvfp4 import BLOCK, _run, dequantize, e2m1_values_ref, unpack_ref
 from .reference import _bounds
 
@@ -190,6 +191,19 @@ def _one(device: torch.device) -> torch.Tensor:
     return one
 
 
+def _dequantized_mm(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out_dtype, w_packed):
+    """Many rows per expert: both operands dequantized to bf16 with a global scale of 1 (value * block
+    scale, exact), the bf16 rows-ragged GEMM, and ``a_global * w_global[g]`` on its fp32 accumulator
+    (``group_scale``): the emulated kernel's numbers, from bf16 tensor-core GEMM speed. Temporaries:
+    A (M, K) and the weights (E, N, K) in bf16."""
+    one = _one(a_values.device)
+    a = dequantize(a_values.view(FP4), a_scales.view(E4M3), one, dtype=torch.bfloat16)
+    wv = unpack_weights(w_values) if w_packed else w_values
+    w = dequantize(wv.view(FP4), w_scales.view(E4M3), one, dtype=torch.bfloat16)  # (E, N, K)
+    scale = a_global * w_global  # (E,) fp32, the product the kernel forms
+    return _ragged_m(a, w.mT, offs, out_dtype, None, group_scale=scale)
+
+
 def grouped_mm_nvfp4_fwd(
     a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out_dtype, w_packed: bool = False,
     cfg: config.TileConfig | None = None,
@@ -204,6 +218,8 @@ def grouped_mm_nvfp4_fwd(
         return out
     if k == 0:
         return out.zero_()
+    if cfg is None and config.nvfp4_gemm_dequantizes(m, e):
+        return _dequantized_mm(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out_dtype, w_packed)
     cfg = cfg or config.nvfp4_gemm_config(m, e, a_values.device, w_packed)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     if bk % BLOCK or bk & (bk - 1):

@@ -209,6 +209,7 @@ def _add_bias(acc, bias, stride_bias_e, g, col, n_end, BLOCK_N: tl.constexpr):
 @triton.jit
 def _grouped_mm_ragged_m_kernel(
     a, b, c, offs_ptr, bias,  # a (M, K); b (E, K, N); c (M, N); offs (E,) int32 row ends; bias (E, N) or None
+    group_scale,  # None, or (E,) fp32: each group's product is multiplied by its scale (before the bias)
     # TMA path: a is a (M, K) descriptor, b an (E, K, N) one or, with B_TRANS, (E, N, K); c is
     # row-bounded. Pointer path: raw pointers and the strides below.
     M, N, K, E,
@@ -232,6 +233,8 @@ def _grouped_mm_ragged_m_kernel(
         acc = _mainloop(a, b, acc, g, row, col, tl.where(real, k_tiles, 0), M, N, K,
                         stride_am, stride_ak, stride_be, stride_bk, stride_bn,
                         BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS, USE_TMA, DOT_F32)
+        if group_scale is not None:  # the tail stays 0 even for a non-finite scale
+            acc = tl.where(real, acc * tl.load(group_scale + tl.minimum(g, E - 1)), 0.0)
         if bias is not None:
             acc = _add_bias(acc, bias, stride_bias_e, tl.minimum(g, E - 1), col, tl.where(real, N, 0), BLOCK_N)
         if SPLIT_STORE:  # half the epilogue's shared memory, which buys a pipeline stage
