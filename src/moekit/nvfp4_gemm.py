@@ -9,7 +9,10 @@ Hopper has no FP4 tensor cores, so the kernel emulates them: it reads the packed
 of bf16's bytes, plus 1/16 for the scales), decodes them exactly to f16 in registers (inline PTX, sm_89
 and newer; bf16 elsewhere) and runs ``tl.dot`` with fp32 accumulation (why the decode is exact:
 ``_kernels/nvfp4_gemm.py``). With few rows per expert (the transposed tile) the rows are decoded once
-beforehand and only the weights in the kernel.
+beforehand and only the weights in the kernel. With many rows per expert (above
+``config.NVFP4_DECODE_ROWS`` on average) the GEMM is compute-bound and decoding in the main loop
+would repeat each decode per tile: both operands are dequantized to bf16 first (exact) and the bf16
+rows-ragged GEMM applies the global scales to its fp32 accumulator.
 
 Legend: M rows (tokens routed to experts, expert-sorted), N output columns, K reduction length,
 E experts.
@@ -317,7 +320,8 @@ def grouped_mm_nvfp4(
     the same in float64. A NaN scale code (0x7F / 0xFF, which ``nvfp4.quantize`` never writes) gives
     NaN in its rows.
 
-    Runs the Triton kernel on CUDA (and under ``TRITON_INTERPRET=1``): no host sync, CUDA-graph safe;
+    Runs the Triton kernels on CUDA (and under ``TRITON_INTERPRET=1``): no host sync, CUDA-graph safe;
+    above 64 rows per expert on average with bf16 temporaries of A (M, K) and the weights (E, N, K);
     elsewhere (or with the ``reference`` option) the pure-PyTorch ``grouped_mm_nvfp4_ref``. Under
     torch.compile it is the custom op ``moekit::grouped_mm_nvfp4``.
     """
