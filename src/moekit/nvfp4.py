@@ -496,8 +496,9 @@ def quantize_fwd(x3: torch.Tensor, gscale: torch.Tensor, per_group: bool, block_
 
 
 def dequantize_fwd(v3: torch.Tensor, s3: torch.Tensor, gscale: torch.Tensor, per_group: bool,
-                   dtype: torch.dtype) -> torch.Tensor:
-    """v3 (G, R, K / 2), s3 (G, R, K / 16) uint8, any strides; gscale as in ``quantize_fwd`` -> (G * R, K)."""
+                   dtype: torch.dtype, packed: bool = False) -> torch.Tensor:
+    """v3 (G, R, K / 2), s3 (G, R, K / 16) uint8, any strides; gscale as in ``quantize_fwd`` -> (G * R, K).
+    ``packed``: v3 in ``nvfp4_gemm.pack_weights``'s byte order (K % 64 == 0)."""
     groups, r, half = v3.shape
     k = 2 * half
     out = config.empty((groups * r, k), dtype=dtype, device=v3.device)
@@ -509,7 +510,7 @@ def dequantize_fwd(v3: torch.Tensor, s3: torch.Tensor, gscale: torch.Tensor, per
         r, k,
         *v3.stride(), *s3.stride(),
         int(per_group),
-        BLOCK_M=bm, BLOCK_K=bk,
+        BLOCK_M=bm, BLOCK_K=bk, PACKED=packed,
         num_warps=4,
     )
     return out

@@ -27,7 +27,7 @@ import triton.language as tl
 from . import config
 from ._kernels.nvfp4_gemm import _grouped_mm_nvfp4_kernel
 from .grouped_gemm import _ragged_m
-from .nvfp4 import BLOCK, _run, dequantize, e2m1_values_ref, unpack_ref
+from .nvfp4 import BLOCK, _run, dequantize, dequantize_fwd, e2m1_values_ref, unpack_ref
 from .reference import _bounds
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -201,8 +201,13 @@ def _dequantized_mm(a_values, a_scales, a_global, w_values, w_scales, w_global, 
     A (M, K) and the weights (E, N, K) in bf16."""
     one = _one(a_values.device)
     a = dequantize(a_values.view(FP4), a_scales.view(E4M3), one, dtype=torch.bfloat16)
-    wv = unpack_weights(w_values) if w_packed else w_values
-    w = dequantize(wv.view(FP4), w_scales.view(E4M3), one, dtype=torch.bfloat16)  # (E, N, K)
+    if w_packed:  # read in the packed order (contiguous, checked)
+        e, n, half = w_values.shape
+        v3 = w_values.view(torch.uint8).view(1, e * n, half)
+        s3 = w_scales.view(torch.uint8).reshape(1, e * n, -1)
+        w = dequantize_fwd(v3, s3, one, False, torch.bfloat16, packed=True).view(e, n, 2 * half)
+    else:
+        w = dequantize(w_values.view(FP4), w_scales.view(E4M3), one, dtype=torch.bfloat16)  # (E, N, K)
     scale = a_global * w_global  # (E,) fp32, the product the kernel forms
     return _ragged_m(a, w.mT, offs, out_dtype, None, group_scale=scale)
 

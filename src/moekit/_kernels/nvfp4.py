@@ -261,6 +261,7 @@ def _dequantize_kernel(
     stride_vg, stride_vr, stride_vk, stride_sg, stride_sr, stride_sk,
     G_STRIDE,  # as in _quantize_kernel
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    PACKED: tl.constexpr = False,  # values in nvfp4_gemm.pack_weights's byte order (BLOCK_K % 64 == 0)
 ):
     pid_m, pid_k, gi = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NB: tl.constexpr = BLOCK_K // 16
@@ -270,6 +271,9 @@ def _dequantize_kernel(
     vcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
     b = tl.load(values + gi.to(tl.int64) * stride_vg + r64 * stride_vr + vcols[None, :] * stride_vk,
                 mask=row_ok & (vcols < K // 2)[None, :], other=0).to(tl.int32)
+    if PACKED:  # back to K order: byte 8t + 2g + h of a 32-byte chunk is byte 8g + 4h + t
+        b = tl.reshape(tl.permute(tl.reshape(b, [BLOCK_M, BLOCK_K // 64, 4, 4, 2]), [0, 1, 3, 4, 2]),
+                       [BLOCK_M, BLOCK_K // 2])
     v = _e2m1_value(tl.reshape(tl.join(b & 15, b >> 4), [BLOCK_M, BLOCK_K]))
     scols = pid_k * NB + tl.arange(0, NB)
     sc = tl.load(scales + gi.to(tl.int64) * stride_sg + r64 * stride_sr + scols[None, :] * stride_sk,
