@@ -115,7 +115,7 @@ TILES = {  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, SWAP)
 }
 
 
-def compile_variant(name: str, tile: str) -> dict:
+def compile_variant(name: str, tile: str, maxnreg: int | None = None) -> dict:
     load, op, ptx, packed = VARIANTS[name]
     bm, bn, bk, group_m, warps, swap = TILES[tile]
     if packed and bk % 64:
@@ -137,7 +137,8 @@ def compile_variant(name: str, tile: str) -> dict:
                "stride_avm", "stride_asm", "stride_wve", "stride_wvn", "stride_wse", "stride_wsn", "stride_cm"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in aligned}
     kernel = triton.compile(ASTSource(gemm._grouped_mm_nvfp4_kernel, sig, constexprs=const, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=3))
+                            target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=warps, num_stages=3, **({"maxnreg": maxnreg} if maxnreg else {})))
     folder = tempfile.mkdtemp()
     with open(f"{folder}/k.cubin", "wb") as fh:
         fh.write(kernel.asm["cubin"])
@@ -157,6 +158,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--variant", action="append", choices=list(VARIANTS))
     p.add_argument("--tile", action="append", choices=list(TILES))
+    p.add_argument("--maxnreg", type=int, help="cap the registers per thread (Triton's maxnreg)")
     a = p.parse_args()
     check_tables()
     print(f"triton {triton.__version__}")
@@ -164,7 +166,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for tile in a.tile or list(TILES):
         for name in a.variant or list(VARIANTS):
-            r = compile_variant(name, tile)
+            r = compile_variant(name, tile, a.maxnreg)
             if r is None:  # packed weights need BLOCK_K % 64 == 0
                 continue
             o = r["ops"]

@@ -26,7 +26,9 @@ class TileConfig:
     with the K loop so the next tile's loads overlap this tile's epilogue; ``split_store`` writes
     the tile as two halves (half the epilogue's shared memory); ``programs_per_sm`` persistent
     programs share each SM (above 1 only when their shared memory fits together); ``swap`` (the NVFP4
-    GEMM) computes the tile transposed, the weights' rows as the MMA's rows.
+    GEMM) computes the tile transposed, the weights' rows as the MMA's rows; ``max_registers`` caps the
+    registers per thread (Triton's ``maxnreg``) so that ``programs_per_sm`` programs fit an SM's 64K
+    registers together (the NVFP4 GEMM).
     """
 
     block_m: int
@@ -39,6 +41,7 @@ class TileConfig:
     split_store: bool = False
     programs_per_sm: int = 1
     swap: bool = False
+    max_registers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -382,5 +385,5 @@ def nvfp4_gemm_config(m: int, e: int, device: torch.device, packed: bool = False
     if m <= NVFP4_DECODE_ROWS * e:
         block_m = 16 if m <= 16 * e else 32 if m <= 32 * e else 64
         return TileConfig(block_m=block_m, block_n=128, block_k=128 if block_m <= 32 else 64, group_m=1,
-                          num_warps=4, num_stages=3, programs_per_sm=4, swap=True)
+                          num_warps=4, num_stages=3, programs_per_sm=4, swap=True, max_registers=128)
     return TileConfig(block_m=128, block_n=128, block_k=64 if packed else 32, group_m=8, num_warps=8, num_stages=3)
