@@ -373,7 +373,9 @@ def nvfp4_gemm_config(m: int, e: int, device: torch.device, packed: bool = False
     * At most 64 rows per expert on average: the transposed tile (``swap``), 128 weight rows by an M
       tile of 16, 32 or 64 rows, the smallest that holds the average expert's rows, so the GEMM decodes
       each weight tile about once. BLOCK_K 128, or 64 with the 64-row tile (0.50 against 0.54 ms at
-      64 rows per expert; 128 was faster at 16).
+      64 rows per expert; 128 was faster at 16). The 64-row tile capped at 168 registers per thread
+      (3 resident programs per SM instead of 2: 0.338 against 0.368 ms with packed weights); at 16
+      and 32 rows the cap changed nothing or cost 5%, and a cap of 128 cost 10-70% everywhere.
     * Otherwise (pinned tiles and the interpreter; with more rows per expert the launcher takes
       ``nvfp4_gemm_dequantizes``) a 128 x 128 x 32 tile with 8 warps; the decode holds both operand
       tiles in registers (168 per thread).
@@ -385,5 +387,6 @@ def nvfp4_gemm_config(m: int, e: int, device: torch.device, packed: bool = False
     if m <= NVFP4_DECODE_ROWS * e:
         block_m = 16 if m <= 16 * e else 32 if m <= 32 * e else 64
         return TileConfig(block_m=block_m, block_n=128, block_k=128 if block_m <= 32 else 64, group_m=1,
-                          num_warps=4, num_stages=3, programs_per_sm=4, swap=True, max_registers=128)
+                          num_warps=4, num_stages=3, programs_per_sm=4, swap=True,
+                          max_registers=168 if block_m == 64 else None)
     return TileConfig(block_m=128, block_n=128, block_k=64 if packed else 32, group_m=8, num_warps=8, num_stages=3)
