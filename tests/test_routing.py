@@ -61,6 +61,47 @@ def test_topk_router(interpreter, score_func, renormalize):
     torch.testing.assert_close(r.aux_loss.double(), loss, rtol=1e-5, atol=1e-6)
 
 
+def _composed_router(x, w, b, expert_bias, top_k, score_func, renormalize):
+    """topk_router's weights as the composition of its parts (the path aux_loss=True takes)."""
+    from moekit.routing import router_logits
+
+    logits = router_logits(x, w, b)
+    scores = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
+    key = logits if expert_bias is None else scores + expert_bias
+    return _router_topk_op(key, scores, top_k, renormalize)
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "raw"])
+@pytest.mark.parametrize("biases", [False, True], ids=["no-biases", "biases"])
+def test_fused_router_equals_its_composition_and_saves_no_scores(interpreter, score_func, renormalize, biases):
+    """topk_router without aux loss is one op whose backward recomputes the logits: its weights,
+    experts and the gradients of x, the gate weight and its bias are the composition's bit for bit,
+    and nothing it saves for the backward is (T, E)."""
+    t, d, e, k = 40, 24, 12, 3
+    x = torch.randn(t, d, dtype=BF16, requires_grad=True)
+    w = (torch.randn(e, d) * 0.3).requires_grad_()
+    b = torch.randn(e).requires_grad_() if biases else None
+    eb = torch.randn(e) * 0.1 if biases else None
+    params = [p for p in (x, w, b) if p is not None]
+    saved = []
+
+    def pack(s):
+        saved.append(tuple(s.shape))
+        return s
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda s: s):
+        r = topk_router(x, w, b, top_k=k, score_func=score_func, renormalize=renormalize, expert_bias=eb)
+    assert (t, e) not in saved, saved
+    want_w, want_ids = _composed_router(x, w, b, eb, k, score_func, renormalize)
+    assert torch.equal(r.experts, want_ids) and torch.equal(r.weights, want_w)
+    dw = torch.randn(t, k)
+    got = torch.autograd.grad(r.weights, params, dw)
+    want = torch.autograd.grad(want_w, params, dw)
+    for g, h in zip(got, want, strict=True):
+        assert torch.equal(g, h), (g - h).abs().max()
+
+
 def _tricky_logits(t, e):
     """Random fp32 logits with exact ties, -0 against +0, -inf, and a NaN in some rows."""
     lg = torch.randn(t, e)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moekit import MoE, router_topk_ref, routing_metadata_ref
+from moekit import MoE, router_topk_ref, routing_metadata_ref, topk_router
 from moekit.bench.baselines import TorchtitanMoE
 from moekit.routing import router_topk_fwd, routing_metadata_fwd
 from moekit.testing import assert_within_baseline
@@ -115,6 +115,29 @@ def test_weight_gradients_arrive_in_the_parameter_layout():
     w1, w2 = moe.experts.mlp1_weight_EGD, moe.experts.mlp2_weight_EDF
     g1, g2 = torch.autograd.grad(moe(x), [w1, w2], dy)
     assert g1.is_contiguous() and g2.is_contiguous()
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_fused_router_equals_its_composition_gpu(score_func):
+    """The fused router (tensor-core logits recomputed in the backward) against the composition of
+    router_logits, the scores and the top-k op: the same choices, weights and gradients, bit for bit."""
+    from moekit.routing import _router_topk_op, router_logits
+
+    torch.manual_seed(5)
+    t, d, e, k = 4096, 1024, 64, 6
+    x = torch.randn(t, d, device=DEV).to(BF16).requires_grad_()
+    w = (torch.randn(e, d, device=DEV) * 0.02).requires_grad_()
+    b = torch.randn(e, device=DEV).requires_grad_()
+    eb = torch.randn(e, device=DEV) * 0.01
+    r = topk_router(x, w, b, top_k=k, score_func=score_func, expert_bias=eb)
+    logits = router_logits(x, w, b)
+    scores = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
+    want_w, want_ids = _router_topk_op(scores + eb, scores, k, True)
+    assert torch.equal(r.experts, want_ids) and torch.equal(r.weights, want_w)
+    dw = torch.randn(t, k, device=DEV)
+    for g, h in zip(torch.autograd.grad(r.weights, [x, w, b], dw), torch.autograd.grad(want_w, [x, w, b], dw),
+                    strict=True):
+        assert torch.equal(g, h), (g.float() - h.float()).abs().max()
 
 
 def test_router_logits_on_tensor_cores_match_fp32():

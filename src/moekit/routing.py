@@ -257,6 +257,69 @@ def _router_topk_backward(ctx, dw, _):
 _router_topk_op.register_autograd(_router_topk_backward, setup_context=_router_topk_setup)
 
 
+def _logits_value(x, weight, bias):
+    """``router_logits``' value, for the fused router below: the tensor cores for bf16 tokens on a GPU,
+    otherwise an fp32 GEMM."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.float32:
+        return _router_logits_op(x, weight, bias)
+    return torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+
+def _scores(logits, sigmoid: bool):
+    return logits.sigmoid() if sigmoid else logits.softmax(-1)
+
+
+@custom_op("moekit::router")
+def _router_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, expert_bias: torch.Tensor | None,
+               top_k: int, sigmoid: bool, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights (T, K) fp32, experts (T, K) int32) of ``topk_router`` without aux loss, in one op that
+    saves no (T, E) tensor: its backward recomputes the logits (one small GEMM) and the scores, then
+    takes the gradients the composition of ``router_logits``, the scores and ``_router_topk_op`` would,
+    bit for bit."""
+    logits = _logits_value(x, weight, bias)
+    scores = _scores(logits, sigmoid)
+    key = logits if expert_bias is None else scores + expert_bias.float()
+    if config.uses_triton(logits.device):
+        return router_topk_fwd(key, scores, top_k, renormalize)
+    weights, experts = router_topk_ref(logits, top_k, score_func="sigmoid" if sigmoid else "softmax",
+                                       renormalize=renormalize, expert_bias=expert_bias)
+    return weights, experts.to(torch.int32)
+
+
+@_router_op.register_fake
+def _(x, weight, bias, expert_bias, top_k, sigmoid, renormalize):
+    t = x.shape[0]
+    return x.new_empty((t, top_k), dtype=torch.float32), x.new_empty((t, top_k), dtype=torch.int32)
+
+
+def _router_setup(ctx, inputs, output):
+    x, weight, bias, _, _, sigmoid, renormalize = inputs
+    ctx.save_for_backward(x, weight, bias, output[1])
+    ctx.sigmoid, ctx.renormalize = sigmoid, renormalize
+
+
+def _router_backward(ctx, dw, _):
+    x, weight, bias, experts = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    logits = _logits_value(x, weight, bias)  # the forward's logits again (the same GEMM)
+    scores = _scores(logits, ctx.sigmoid)
+    ds = topk_weights_grad(dw, scores, experts.long(), ctx.renormalize)
+    if ctx.sigmoid:
+        dl = torch.ops.aten.sigmoid_backward(ds, scores)
+    else:
+        dl = torch.ops.aten._softmax_backward_data(ds, scores, -1, torch.float32)
+    db = dl.sum(0) if bias is not None and need_b else None
+    if x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.float32:
+        dx, dwt = _router_logits_bwd_op(dl, x, weight, need_x, need_w)
+    else:  # F.linear on fp32 copies: its backward, then the casts'
+        dx = (dl @ weight.float()).to(x.dtype) if need_x else None
+        dwt = (dl.t() @ x.float()).to(weight.dtype) if need_w else None
+    return (dx if need_x else None), (dwt if need_w else None), db, None, None, None, None
+
+
+_router_op.register_autograd(_router_backward, setup_context=_router_setup)
+
+
 @custom_op("moekit::combine")
 def _combine_op(y: torch.Tensor, weights: torch.Tensor | None, row_of: torch.Tensor) -> torch.Tensor:
     return combine_fwd(y, weights, row_of)
@@ -372,6 +435,10 @@ def topk_router(
         raise ValueError(f"topk_router: top_k must be in [1, {num_experts}], got {top_k}")
     if score_func not in ("softmax", "sigmoid"):
         raise ValueError(f"topk_router: score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
+    if not aux_loss:  # one op, which saves no (T, E) tensor
+        weights, experts = _router_op(x, weight, bias, expert_bias, top_k, score_func == "sigmoid", renormalize)
+        counts, offs, token_idx, row_of = _metadata(experts, num_experts)
+        return Routing(weights, experts, counts, offs, token_idx, row_of, None)
     logits = router_logits(x, weight, bias)
     scores = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
     if config.uses_triton(logits.device):  # the choice and the gather in one kernel, no sort
@@ -499,11 +566,27 @@ def combine(y: torch.Tensor, weights: torch.Tensor | None, row_of: torch.Tensor)
     return _combine_op(y.contiguous(), w, row_of.contiguous())
 
 
+class _SortedWeights(torch.autograd.Function):
+    """``sorted_weights``: the backward gathers through row_of itself (int32, which the block keeps
+    anyway), where ``index_copy``'s would save an int64 copy of it."""
+
+    @staticmethod
+    def forward(ctx, weights, row_of):
+        flat = weights.float().reshape(-1)
+        ctx.save_for_backward(row_of)
+        ctx.weights_dtype = weights.dtype
+        return flat.new_empty(flat.shape).index_copy(0, row_of.reshape(-1).long(), flat)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (row_of,) = ctx.saved_tensors
+        return grad.index_select(0, row_of.reshape(-1)).view(row_of.shape).to(ctx.weights_dtype), None
+
+
 def sorted_weights(weights: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
     """(T, K) routing weights -> (R,) float32 in expert-sorted row order: out[row_of[t, k]] = weights[t, k].
     Differentiable (the backward gathers); row_of must be a permutation of [0, R), as the router's is."""
-    flat = weights.float().reshape(-1)
-    return flat.new_empty(flat.shape).index_copy(0, row_of.reshape(-1).long(), flat)
+    return _SortedWeights.apply(weights, row_of)
 
 
 def gather_rows(x: torch.Tensor, routing: Routing) -> torch.Tensor:

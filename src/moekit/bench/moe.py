@@ -123,7 +123,7 @@ def table(rows) -> str:
             if impl == "sonicmoe" and m.get("status") != "ok":
                 out.append(f"{head} {m['status']} | | | | | | |")
                 continue
-            saved = f"{m['saved'] / 2**30:.2f}" if m.get("saved") is not None else "-"
+            saved = f"{m['saved'] / 2**30:.3f}" if m.get("saved") is not None else "-"
             glue = f"{100 * r['profile']['glue'] / r['profile']['total']:.0f}" if impl == "moekit" else ""
             err = f"{r['err']:.1e}" if impl == "moekit" else ""
             out.append(f"{head} {m['fwd']:.2f} | {m['bwd']:.2f} | {_step(m):.2f} | "
@@ -135,7 +135,7 @@ def table(rows) -> str:
         sonic = r.get("sonicmoe")
         sonic_ok = sonic is not None and sonic.get("status") == "ok"
         vs_sonic = f"{_step(sonic) / t:.2f}x" if sonic_ok else (sonic["status"] if sonic else "-")
-        saved = f"{r['moekit']['saved'] / sonic['saved']:.2f}" if sonic_ok and sonic["saved"] else "-"
+        saved = f"{r['moekit']['saved'] / sonic['saved']:.3f}" if sonic_ok and sonic["saved"] else "-"
         dense = f"{_step(r['dense']) / t:.2f}" if "dense" in r else "-"
         glue = 100 * r["profile"]["glue"] / r["profile"]["total"]
         out.append(f"| {r['shape']} | {r['config']} | {_step(r['torchtitan']) / t:.2f}x | {vs_sonic} | {dense} | "
