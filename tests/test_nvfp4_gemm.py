@@ -111,11 +111,18 @@ def test_kernel_and_reference_match_the_oracle(interpreter, counts, m, k, n):
 
 
 @pytest.mark.parametrize("out_dtype", [F32, torch.float16])
-@pytest.mark.parametrize("counts, m", [([6, 0, 11], 19), ([140, 0, 70], 215)], ids=["decoded", "dequantized"])
-def test_other_output_dtypes(interpreter, out_dtype, counts, m):
+@pytest.mark.parametrize("counts, m, dequantized", [([6, 0, 11], 19, False), ([140, 0, 70], 215, True)],
+                         ids=["decoded", "dequantized"])
+def test_other_output_dtypes(interpreter, monkeypatch, out_dtype, counts, m, dequantized):
+    """Each output dtype in both regimes; a spy on the dequantizing path shows which one ran."""
+    import moekit.nvfp4_gemm as mod
+
+    calls = []
+    real = mod._dequantized_mm
+    monkeypatch.setattr(mod, "_dequantized_mm", lambda *a: calls.append(1) or real(*a))
     args = _operands(counts, m, 32, 24)
-    assert config.nvfp4_gemm_dequantizes(m, len(counts)) == (m > 64 * len(counts))
     _assert_matches_oracle(grouped_mm_nvfp4(*args, out_dtype=out_dtype), args)
+    assert bool(calls) == dequantized
     _assert_matches_oracle(grouped_mm_nvfp4_ref(*args, out_dtype=out_dtype), args)
 
 
@@ -230,7 +237,12 @@ def test_packed_weights_errors(interpreter):
     strided = list(packed)
     strided[3] = torch.cat([packed[3].view(U8)] * 2, dim=1)[:, ::2].view(FP4)
     short = _operands([5, 12], 20, 96, 16)  # K = 96
-    for bad, message in ((strided, "must be contiguous"), (short, "K a multiple of 64, got K = 96")):
+    flat = torch.empty(1 + packed[3].numel(), dtype=U8)
+    flat[1:] = packed[3].view(U8).reshape(-1)
+    shifted = list(packed)
+    shifted[3] = flat[1:].view(packed[3].shape).view(FP4)  # contiguous, one byte into its storage
+    for bad, message in ((strided, "must be contiguous"), (short, "K a multiple of 64, got K = 96"),
+                         (shifted, "16-byte aligned in their storage, got a storage offset of 1")):
         for call in (grouped_mm_nvfp4, grouped_mm_nvfp4_ref):
             with pytest.raises(ValueError, match=message):
                 call(*bad, w_packed=True)
@@ -519,13 +531,20 @@ def test_the_decode_is_exact_for_every_scale_code_gpu(ptx, swap):
     assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (got - want).abs().max()
 
 
+# (counts, M) in each regime of the op: decoded in the main loop (<= 64 rows per expert), dequantized first
+REGIMES = [pytest.param([20, 0, 57, 31], 120, id="decoded"), pytest.param([100, 0, 257, 31], 400, id="dequantized")]
+
+
 @gpu
 @pytest.mark.parametrize("w_packed", [False, True])
-def test_no_host_sync_gpu(w_packed):
-    args = list(_operands([100, 0, 257, 31], 400, 256, 384, device=DEV))
+@pytest.mark.parametrize("counts, m", REGIMES)
+def test_no_host_sync_gpu(counts, m, w_packed):
+    """No host sync in either regime; packed weights give the K-ordered ones' bits."""
+    args = list(_operands(counts, m, 256, 384, device=DEV))
+    want = grouped_mm_nvfp4(*args)  # compiles the kernels
     if w_packed:
         args[3] = pack_weights(args[3])
-    want = grouped_mm_nvfp4(*args, w_packed=w_packed)  # compiles the kernel
+    grouped_mm_nvfp4(*args, w_packed=w_packed)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -536,10 +555,11 @@ def test_no_host_sync_gpu(w_packed):
 
 
 @gpu
-def test_cuda_graph_replays_with_new_routing_and_data():
+@pytest.mark.parametrize("m", [pytest.param(200, id="decoded"), pytest.param(512, id="dequantized")])
+def test_cuda_graph_replays_with_new_routing_and_data(m):
     """Captured once; replayed after new operands and new offs are copied into the captured tensors."""
-    m, k, n = 512, 256, 320
-    args = _operands([100, 200, 0, 150], m, k, n, device=DEV)
+    k, n = 256, 320
+    args = _operands([m // 5, 2 * m // 5, 0, m - 3 * m // 5], m, k, n, device=DEV)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -548,7 +568,7 @@ def test_cuda_graph_replays_with_new_routing_and_data():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = grouped_mm_nvfp4(*args)
-    new = _operands([0, 7, 480, 3], m, k, n, device=DEV)
+    new = _operands([0, 7, m - 10, 3], m, k, n, device=DEV)
     for dst, src in zip(args, new, strict=True):
         (dst.view(U8) if dst.dtype in (FP4, E4M3) else dst).copy_(src.view(U8) if src.dtype in (FP4, E4M3) else src)
     graph.replay()
@@ -556,8 +576,9 @@ def test_cuda_graph_replays_with_new_routing_and_data():
 
 
 @gpu
-def test_torch_compile_gpu():
-    args = _operands([64, 0, 190], 300, 256, 192, device=DEV)
+@pytest.mark.parametrize("counts, m", REGIMES)
+def test_torch_compile_gpu(counts, m):
+    args = _operands(counts, m, 256, 192, device=DEV)
     compiled = torch.compile(lambda *a: grouped_mm_nvfp4(*a) * 2, fullgraph=True)
     assert torch.equal(compiled(*args), grouped_mm_nvfp4(*args) * 2)
 

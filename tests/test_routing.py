@@ -61,23 +61,14 @@ def test_topk_router(interpreter, score_func, renormalize):
     torch.testing.assert_close(r.aux_loss.double(), loss, rtol=1e-5, atol=1e-6)
 
 
-def _composed_router(x, w, b, expert_bias, top_k, score_func, renormalize):
-    """topk_router's weights as the composition of its parts (the path aux_loss=True takes)."""
-    from moekit.routing import router_logits
-
-    logits = router_logits(x, w, b)
-    scores = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
-    key = logits if expert_bias is None else scores + expert_bias
-    return _router_topk_op(key, scores, top_k, renormalize)
-
-
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "raw"])
 @pytest.mark.parametrize("biases", [False, True], ids=["no-biases", "biases"])
 def test_fused_router_equals_its_composition_and_saves_no_scores(interpreter, score_func, renormalize, biases):
     """topk_router without aux loss is one op whose backward recomputes the logits: its weights,
-    experts and the gradients of x, the gate weight and its bias are the composition's bit for bit,
-    and nothing it saves for the backward is (T, E)."""
+    experts and the gradients of x, the gate weight and its bias are those of the composition that
+    aux_loss=True runs (router_logits, the scores, the top-k kernel), bit for bit, and nothing it saves
+    for the backward is (T, E)."""
     t, d, e, k = 40, 24, 12, 3
     x = torch.randn(t, d, dtype=BF16, requires_grad=True)
     w = (torch.randn(e, d) * 0.3).requires_grad_()
@@ -93,13 +84,30 @@ def test_fused_router_equals_its_composition_and_saves_no_scores(interpreter, sc
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda s: s):
         r = topk_router(x, w, b, top_k=k, score_func=score_func, renormalize=renormalize, expert_bias=eb)
     assert (t, e) not in saved, saved
-    want_w, want_ids = _composed_router(x, w, b, eb, k, score_func, renormalize)
+    composed = topk_router(x, w, b, top_k=k, score_func=score_func, renormalize=renormalize, expert_bias=eb,
+                           aux_loss=True)
+    want_w, want_ids = composed.weights, composed.experts
     assert torch.equal(r.experts, want_ids) and torch.equal(r.weights, want_w)
     dw = torch.randn(t, k)
     got = torch.autograd.grad(r.weights, params, dw)
     want = torch.autograd.grad(want_w, params, dw)
     for g, h in zip(got, want, strict=True):
         assert torch.equal(g, h), (g - h).abs().max()
+
+
+def test_fused_router_under_autocast_recomputes_the_forwards_logits(interpreter):
+    """Under torch.autocast the logits stay fp32 in the forward and in the backward's recomputation, so
+    the gradients are those outside autocast."""
+    x = torch.randn(40, 24, requires_grad=True)
+    w = torch.randn(12, 24, requires_grad=True)
+    dw = torch.randn(40, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        r = topk_router(x, w, top_k=3)
+    got = torch.autograd.grad(r.weights, [x, w], dw)
+    plain = topk_router(x, w, top_k=3)
+    assert torch.equal(r.experts, plain.experts) and torch.equal(r.weights, plain.weights)
+    for g, h in zip(got, torch.autograd.grad(plain.weights, [x, w], dw), strict=True):
+        assert torch.equal(g, h)
 
 
 def _tricky_logits(t, e):

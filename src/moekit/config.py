@@ -27,8 +27,8 @@ class TileConfig:
     the tile as two halves (half the epilogue's shared memory); ``programs_per_sm`` persistent
     programs share each SM (above 1 only when their shared memory fits together); ``swap`` (the NVFP4
     GEMM) computes the tile transposed, the weights' rows as the MMA's rows; ``max_registers`` caps the
-    registers per thread (Triton's ``maxnreg``) so that ``programs_per_sm`` programs fit an SM's 64K
-    registers together (the NVFP4 GEMM).
+    registers per thread (Triton's ``maxnreg``), so that more programs reside on an SM's 64K registers
+    at once (the NVFP4 GEMM; the grid stays ``programs_per_sm`` programs per SM).
     """
 
     block_m: int
@@ -367,26 +367,21 @@ def nvfp4_gemm_dequantizes(m: int, e: int) -> bool:
 
 
 def nvfp4_gemm_config(m: int, e: int, device: torch.device, packed: bool = False) -> TileConfig:
-    """The tile of the emulated NVFP4 grouped GEMM (``nvfp4_gemm``) for m rows over e experts. BLOCK_K is
-    a power of two and a multiple of 16 (whole scale blocks).
+    """The tile of the NVFP4 grouped GEMM's decoding kernel (``nvfp4_gemm``) for m rows over e experts,
+    at most ``NVFP4_DECODE_ROWS`` rows per expert on average (above, the launcher dequantizes instead:
+    ``nvfp4_gemm_dequantizes``). BLOCK_K is a power of two and a multiple of 16 (whole scale blocks), of
+    64 with ``packed`` weights (``nvfp4_gemm.pack_weights``).
 
-    * At most 64 rows per expert on average: the transposed tile (``swap``), 128 weight rows by an M
-      tile of 16, 32 or 64 rows, the smallest that holds the average expert's rows, so the GEMM decodes
-      each weight tile about once. BLOCK_K 128, or 64 with the 64-row tile (0.50 against 0.54 ms at
-      64 rows per expert; 128 was faster at 16). The 64-row tile capped at 168 registers per thread
-      (3 resident programs per SM instead of 2: 0.338 against 0.368 ms with packed weights); at 16
-      and 32 rows the cap changed nothing or cost 5%, and a cap of 128 cost 10-70% everywhere.
-    * Otherwise (pinned tiles and the interpreter; with more rows per expert the launcher takes
-      ``nvfp4_gemm_dequantizes``) a 128 x 128 x 32 tile with 8 warps; the decode holds both operand
-      tiles in registers (168 per thread).
-    * ``packed`` weights (``nvfp4_gemm.pack_weights``) need BLOCK_K a multiple of 64: 64 for the
-      128 x 128 tile.
-    Measured on an H100: ``benchmarks/bench_nvfp4.py``."""
+    The transposed tile (``swap``): 128 weight rows by an M tile of 16, 32 or 64 rows, the smallest that
+    holds the average expert's rows, so the GEMM decodes each weight tile about once. BLOCK_K 128, or 64
+    with the 64-row tile (0.50 against 0.54 ms at 64 rows per expert; 128 was faster at 16). The 64-row
+    tile is capped at 168 registers per thread (3 resident programs per SM instead of 2: 0.338 against
+    0.368 ms with packed weights); at 16 and 32 rows the cap changed nothing or cost 5%, and a cap of
+    128 cost 10-70% everywhere. Under the interpreter: a small untransposed tile (tests pin the others).
+    Measured on an H100: ``benchmarks/bench_nvfp4.py``, ``benchmarks/sweep_nvfp4_gemm.py``."""
     if device.type != "cuda":
         return dataclasses.replace(_NVFP4_INTERPRETER_CONFIG, block_k=64) if packed else _NVFP4_INTERPRETER_CONFIG
-    if m <= NVFP4_DECODE_ROWS * e:
-        block_m = 16 if m <= 16 * e else 32 if m <= 32 * e else 64
-        return TileConfig(block_m=block_m, block_n=128, block_k=128 if block_m <= 32 else 64, group_m=1,
-                          num_warps=4, num_stages=3, programs_per_sm=4, swap=True,
-                          max_registers=168 if block_m == 64 else None)
-    return TileConfig(block_m=128, block_n=128, block_k=64 if packed else 32, group_m=8, num_warps=8, num_stages=3)
+    block_m = 16 if m <= 16 * e else 32 if m <= 32 * e else 64
+    return TileConfig(block_m=block_m, block_n=128, block_k=128 if block_m <= 32 else 64, group_m=1,
+                      num_warps=4, num_stages=3, programs_per_sm=4, swap=True,
+                      max_registers=168 if block_m == 64 else None)

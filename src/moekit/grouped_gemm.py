@@ -30,8 +30,8 @@ from .validation import check_inputs, check_offs, matrix_ready
 
 def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None, bias=None, group_scale=None):
     """2D x 3D: a (M, K), b (E, K, N), optional bias (E, N) -> (M, N); rows past offs[-1] are zero.
-    ``group_scale`` (E,) fp32: group g's product times group_scale[g] in fp32, before the bias (the
-    Triton kernel; the warp-specialized one has no such epilogue)."""
+    ``group_scale`` (E,) fp32, contiguous: group g's product times group_scale[g] in fp32, before the
+    bias (the Triton kernel; the warp-specialized one has no such epilogue)."""
     (m, k), (e, _, n) = a.shape, b.shape
     out = config.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:

@@ -103,6 +103,9 @@ def _check_packable(w_values, name: str) -> None:
     if not w_values.is_contiguous():
         raise ValueError(f"{name}: packed weights must be contiguous, as pack_weights returns them; got strides "
                          f"{w_values.stride()} for w_values {tuple(w_values.shape)}")
+    if w_values.storage_offset() % 16:  # the kernel reads them as aligned 32-bit words
+        raise ValueError(f"{name}: packed weights must start 16-byte aligned in their storage, got a storage "
+                         f"offset of {w_values.storage_offset()} bytes")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -258,11 +258,12 @@ _router_topk_op.register_autograd(_router_topk_backward, setup_context=_router_t
 
 
 def _logits_value(x, weight, bias):
-    """``router_logits``' value, for the fused router below: the tensor cores for bf16 tokens on a GPU,
-    otherwise an fp32 GEMM."""
-    if x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.float32:
-        return _router_logits_op(x, weight, bias)
-    return torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    """``router_logits``' value, for the fused router below (no autograd): the same fp32 logits under
+    an autocast region or outside one, so that the backward's recomputation matches the forward."""
+    with torch.autocast(x.device.type, enabled=False):
+        if x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.float32:
+            return _router_logits_op(x, weight, bias)
+        return torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
 
 
 def _scores(logits, sigmoid: bool):
@@ -274,8 +275,9 @@ def _router_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                top_k: int, sigmoid: bool, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights (T, K) fp32, experts (T, K) int32) of ``topk_router`` without aux loss, in one op that
     saves no (T, E) tensor: its backward recomputes the logits (one small GEMM) and the scores, then
-    takes the gradients the composition of ``router_logits``, the scores and ``_router_topk_op`` would,
-    bit for bit."""
+    takes the gradients the composition of ``router_logits``, the scores and ``_router_topk_op`` would
+    (bit for bit where the top-k kernel runs; on the pure-PyTorch path the composition differentiates
+    ``router_topk_ref`` by autograd, which rounds differently)."""
     logits = _logits_value(x, weight, bias)
     scores = _scores(logits, sigmoid)
     key = logits if expert_bias is None else scores + expert_bias.float()
@@ -449,10 +451,8 @@ def topk_router(
                                            expert_bias=expert_bias)
         experts = experts.to(torch.int32)
     counts, offs, token_idx, row_of = _metadata(experts, num_experts)  # the chosen ids are all in range
-    loss = None
-    if aux_loss:
-        frac = counts.float() / max(experts.numel(), 1)
-        loss = num_experts * (frac * scores.mean(0)).sum()
+    frac = counts.float() / max(experts.numel(), 1)
+    loss = num_experts * (frac * scores.mean(0)).sum()
     return Routing(weights, experts, counts, offs, token_idx, row_of, loss)
 
 
@@ -516,9 +516,10 @@ _router_logits_op.register_autograd(_router_logits_backward, setup_context=_rout
 def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 gate logits x (T, D) @ weight (E, D)^T + bias (E,) -> (T, E). bf16 tokens on a GPU take
     the tensor cores (``_router_logits_op``); anything else an fp32 GEMM on an fp32 copy of x."""
-    if x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.float32:
-        return _router_logits_op(x, weight, bias)
-    return torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    with torch.autocast(x.device.type, enabled=False):  # fp32 logits inside an autocast region too
+        if x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.float32:
+            return _router_logits_op(x, weight, bias)
+        return torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
 
 
 def _metadata(experts: torch.Tensor, num_experts: int):
@@ -566,7 +567,7 @@ def combine(y: torch.Tensor, weights: torch.Tensor | None, row_of: torch.Tensor)
     return _combine_op(y.contiguous(), w, row_of.contiguous())
 
 
-class _SortedWeights(torch.autograd.Function):
+class _SortedWeightsFn(torch.autograd.Function):
     """``sorted_weights``: the backward gathers through row_of itself (int32, which the block keeps
     anyway), where ``index_copy``'s would save an int64 copy of it."""
 
@@ -586,7 +587,7 @@ class _SortedWeights(torch.autograd.Function):
 def sorted_weights(weights: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
     """(T, K) routing weights -> (R,) float32 in expert-sorted row order: out[row_of[t, k]] = weights[t, k].
     Differentiable (the backward gathers); row_of must be a permutation of [0, R), as the router's is."""
-    return _SortedWeights.apply(weights, row_of)
+    return _SortedWeightsFn.apply(weights, row_of)
 
 
 def gather_rows(x: torch.Tensor, routing: Routing) -> torch.Tensor:
