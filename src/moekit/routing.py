@@ -257,15 +257,6 @@ def _router_topk_backward(ctx, dw, _):
 _router_topk_op.register_autograd(_router_topk_backward, setup_context=_router_topk_setup)
 
 
-def _logits_value(x, weight, bias):
-    """``router_logits``' value, for the fused router below (no autograd): the same fp32 logits under
-    an autocast region or outside one, so that the backward's recomputation matches the forward."""
-    with torch.autocast(x.device.type, enabled=False):
-        if x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.float32:
-            return _router_logits_op(x, weight, bias)
-        return torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
-
-
 def _scores(logits, sigmoid: bool):
     return logits.sigmoid() if sigmoid else logits.softmax(-1)
 
@@ -278,7 +269,7 @@ def _router_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     takes the gradients the composition of ``router_logits``, the scores and ``_router_topk_op`` would
     (bit for bit where the top-k kernel runs; on the pure-PyTorch path the composition differentiates
     ``router_topk_ref`` by autograd, which rounds differently)."""
-    logits = _logits_value(x, weight, bias)
+    logits = router_logits(x, weight, bias)
     scores = _scores(logits, sigmoid)
     key = logits if expert_bias is None else scores + expert_bias.float()
     if config.uses_triton(logits.device):
@@ -303,7 +294,7 @@ def _router_setup(ctx, inputs, output):
 def _router_backward(ctx, dw, _):
     x, weight, bias, experts = ctx.saved_tensors
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
-    logits = _logits_value(x, weight, bias)  # the forward's logits again (the same GEMM)
+    logits = router_logits(x, weight, bias)  # the forward's logits again (the same GEMM)
     scores = _scores(logits, ctx.sigmoid)
     ds = topk_weights_grad(dw, scores, experts.long(), ctx.renormalize)
     if ctx.sigmoid:
@@ -515,8 +506,10 @@ _router_logits_op.register_autograd(_router_logits_backward, setup_context=_rout
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 gate logits x (T, D) @ weight (E, D)^T + bias (E,) -> (T, E). bf16 tokens on a GPU take
-    the tensor cores (``_router_logits_op``); anything else an fp32 GEMM on an fp32 copy of x."""
-    with torch.autocast(x.device.type, enabled=False):  # fp32 logits inside an autocast region too
+    the tensor cores (``_router_logits_op``); anything else an fp32 GEMM on an fp32 copy of x. fp32
+    inside an autocast region too, so that the fused router's backward recomputes the forward's
+    logits."""
+    with torch.autocast(x.device.type, enabled=False):
         if x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.float32:
             return _router_logits_op(x, weight, bias)
         return torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())

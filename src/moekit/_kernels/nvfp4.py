@@ -50,6 +50,14 @@ def _with_sign(v, negative):
 
 
 @triton.jit
+def _packed_to_k_order(b, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """A [BLOCK_R, BLOCK_C] tile of code bytes in ``nvfp4_gemm.pack_weights``'s order -> K order
+    (BLOCK_C a multiple of 32): byte 8t + 2g + h of each 32-byte chunk is byte 8g + 4h + t."""
+    return tl.reshape(tl.permute(tl.reshape(b, [BLOCK_R, BLOCK_C // 32, 4, 4, 2]), [0, 1, 3, 4, 2]),
+                      [BLOCK_R, BLOCK_C])
+
+
+@triton.jit
 def _read_global_scale(ptr):
     """The global scale at ``ptr`` as every quantizer reads it: a negative one (outside the format) as
     NaN, -0 as +0 (``nvfp4._quantizing_scale``)."""
@@ -271,9 +279,8 @@ def _dequantize_kernel(
     vcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
     b = tl.load(values + gi.to(tl.int64) * stride_vg + r64 * stride_vr + vcols[None, :] * stride_vk,
                 mask=row_ok & (vcols < K // 2)[None, :], other=0).to(tl.int32)
-    if PACKED:  # back to K order: byte 8t + 2g + h of a 32-byte chunk is byte 8g + 4h + t
-        b = tl.reshape(tl.permute(tl.reshape(b, [BLOCK_M, BLOCK_K // 64, 4, 4, 2]), [0, 1, 3, 4, 2]),
-                       [BLOCK_M, BLOCK_K // 2])
+    if PACKED:
+        b = _packed_to_k_order(b, BLOCK_M, BLOCK_K // 2)
     v = _e2m1_value(tl.reshape(tl.join(b & 15, b >> 4), [BLOCK_M, BLOCK_K]))
     scols = pid_k * NB + tl.arange(0, NB)
     sc = tl.load(scales + gi.to(tl.int64) * stride_sg + r64 * stride_sr + scols[None, :] * stride_sk,

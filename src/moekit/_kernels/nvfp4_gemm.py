@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .grouped_gemm import _group_table, _load_2d, _locate, _store_rows
-from .nvfp4 import _e4m3_value
+from .nvfp4 import _e4m3_value, _packed_to_k_order
 
 TWO_63 = tl.constexpr(9.223372036854775808e18)  # 2^63: 2^126 in two exact steps (448 * 2^126 overflows)
 
@@ -174,9 +174,8 @@ def _load_nvfp4(
     if PACKED and PTX:
         return _decode_words(values, sc, row, k, row_end, K, stride_vr, BLOCK_R, BLOCK_K)
     b = _load_byte_tile(values, row, k // 2, row_end, K // 2, stride_vr, stride_vk, BLOCK_R, BLOCK_K // 2)
-    if PACKED:  # back to K order: byte 8t + 2g + h of a 32-byte chunk is byte 8g + 4h + t
-        b = tl.reshape(tl.permute(tl.reshape(b, [BLOCK_R, BLOCK_K // 64, 4, 4, 2]), [0, 1, 3, 4, 2]),
-                       [BLOCK_R, BLOCK_K // 2])
+    if PACKED:
+        b = _packed_to_k_order(b, BLOCK_R, BLOCK_K // 2)
     if PTX:
         s = tl.inline_asm_elementwise(_E4M3_F16, "=h,r", [sc], dtype=tl.float16, is_pure=True, pack=1)
         s = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_R, NB, 8]), [BLOCK_R, BLOCK_K // 2])  # per byte
