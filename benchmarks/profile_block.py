@@ -3,7 +3,10 @@ CUDA time (torch.profiler), then the split into grouped GEMMs and glue and the w
 without the profiler. The block is built as the MoE-block benchmark builds it (``--config plain``:
 no biases, plain SwiGLU; ``gpt-oss``: biases and the gpt-oss SwiGLU).
 
-    python benchmarks/profile_block.py --shape qwen3-30b-a3b [--config plain] [--steps 3] [--host]
+    python benchmarks/profile_block.py --shape qwen3-30b-a3b [--config plain] [--steps 3] [--host] [--forward]
+
+``--forward`` profiles the forward alone (the call a training step makes, x requiring grad), and adds
+its do_bench time, the figure the MoE-block table reports as "fwd ms".
 
 ``--host`` adds the host's side: the time to enqueue one step (no sync inside it), which bounds the
 step from below when it exceeds the GPU's busy time, and cProfile's top Python functions over the
@@ -18,7 +21,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from moekit.bench import BLOCK_SHAPES, GEMM_KERNELS, cuda_kernels
+from moekit.bench import BLOCK_SHAPES, GEMM_KERNELS, bench_ms, cuda_kernels
 from moekit.bench.moe import CONFIGS, training_step
 
 
@@ -28,9 +31,13 @@ def main():
     parser.add_argument("--config", default="plain", choices=sorted(CONFIGS))
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--host", action="store_true")
+    parser.add_argument("--forward", action="store_true")
     args = parser.parse_args()
     s = BLOCK_SHAPES[args.shape]
-    _, _, step = training_step(s, args.config)
+    moe, x, step = training_step(s, args.config)
+    if args.forward:
+        def step():
+            return moe(x)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -40,7 +47,8 @@ def main():
         torch.cuda.synchronize()
     kernels = cuda_kernels(prof)
     per_step = len(kernels) // args.steps
-    print(f"{args.shape} ({args.config}, T={s.tokens}): {per_step} kernels per step, the last step's in order")
+    what = "forward" if args.forward else "step"
+    print(f"{args.shape} ({args.config}, T={s.tokens}): {per_step} kernels per {what}, the last {what}'s in order")
     gemm = glue = 0.0
     for e in kernels[-per_step:]:
         ms = e.time_range.elapsed_us() / 1e3
@@ -61,6 +69,8 @@ def main():
     print(f"  idle between kernels: {sum(g[0] for g in gaps) / 1e3:.3f} ms in all; the longest:")
     for gap, before, after in gaps[:6]:
         print(f"    {gap / 1e3:.3f} ms between {before[:40]} and {after[:40]}")
+    if args.forward:
+        print(f"  do_bench: {bench_ms(step):.3f} ms per forward")
     if args.host:
         host(step, args.steps)
 

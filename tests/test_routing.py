@@ -8,7 +8,15 @@ import torch
 
 from moekit import MoE, combine, combine_ref, gather_rows, router_topk_ref, routing_metadata_ref, topk_router
 from moekit.bench.baselines import TorchtitanMoE
-from moekit.routing import _router_topk_op, gather_token_rows, router_topk_fwd, routing_metadata_fwd
+from moekit.routing import (
+    _router_topk_op,
+    _split_bf16,
+    gather_token_rows,
+    router_topk_fwd,
+    routing_metadata_fwd,
+    topk_weights_grad_fwd,
+    topk_weights_grad_ref,
+)
 from moekit.testing import assert_within_baseline
 
 BF16 = torch.bfloat16
@@ -160,6 +168,47 @@ def test_router_topk_backward_against_autograd(interpreter, score_func, renormal
     (want,) = torch.autograd.grad(w_ref, lg64, dw.double())
     assert torch.equal(ids.long(), ids_ref)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("t, e, k", [(37, 16, 4), (5, 128, 8), (9, 6, 6)], ids=["e16k4", "e128k8", "k-eq-e"])
+@pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "raw"])
+def test_topk_weights_grad_kernel_matches_reference(interpreter, t, e, k, renormalize):
+    """The one-kernel scores' gradient equals the torch formula: the K chosen entries per row (through
+    the renormalization, including a row whose chosen scores sum below its 1e-20 clamp), exact zeros
+    elsewhere, every entry written."""
+    scores = torch.rand(t, e)
+    scores[0] = 1e-30  # below the clamp: the divisor is a constant there
+    experts = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).to(torch.int32)
+    dw = torch.randn(t, k)
+    got = topk_weights_grad_fwd(dw, scores, experts, renormalize)
+    want = topk_weights_grad_ref(dw.double(), scores.double(), experts.long(), renormalize)
+    chosen = torch.zeros(t, e, dtype=torch.bool).scatter(1, experts.long(), True)
+    assert torch.equal(got[~chosen], torch.zeros_like(got[~chosen]))
+    err = (got.double() - want).abs().amax(1) / want.abs().amax(1)  # per row, relative to its largest entry
+    assert err.max() < 1e-6, err.max()
+    assert topk_weights_grad_fwd(dw[:0], scores[:0], experts[:0], renormalize).shape == (0, e)
+
+
+def split_bf16_case(device):
+    """fp32 weights of every magnitude (subnormal ones too) and the special values, and the bf16 terms
+    [hi; lo] that torch's casts give them."""
+    w = torch.randn(7, 33, device=device) * torch.logspace(-40, 38, 33, device=device)
+    w[0, :6] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 3.3895e38])
+    hi = w.to(torch.bfloat16)
+    return w, torch.cat([hi, (w - hi.float()).to(torch.bfloat16)])
+
+
+def test_split_bf16_kernel_is_bit_exact(interpreter):
+    """The router weight's two bf16 terms from one kernel have torch's bits (round to nearest even for
+    both), NaN as NaN. The interpreter's casts do not keep fp32 subnormals' bits: those are compared
+    on the GPU (test_routing_gpu.py)."""
+    w, want = split_bf16_case("cpu")
+    got = _split_bf16(w)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    keep = ((w == 0) | (w.abs() >= 1e-30)).repeat(2, 1) & ~nan  # hi and lo both normal or zero
+    assert keep.sum() > 300
+    assert torch.equal(got[keep].view(torch.int16), want[keep].view(torch.int16))
 
 
 def test_expert_bias_changes_choice_not_weights(interpreter):

@@ -5,7 +5,14 @@ import torch
 
 from moekit import MoE, router_topk_ref, routing_metadata_ref, topk_router
 from moekit.bench.baselines import TorchtitanMoE
-from moekit.routing import router_topk_fwd, routing_metadata_fwd
+from moekit.routing import (
+    _split_bf16,
+    router_topk_fwd,
+    routing_metadata_fwd,
+    sorted_weights,
+    topk_weights_grad_fwd,
+    topk_weights_grad_ref,
+)
 from moekit.testing import assert_within_baseline
 
 pytestmark = pytest.mark.gpu
@@ -18,6 +25,29 @@ def test_route_metadata_exact(t, e, k):
     ids = torch.rand(t, e, device=DEV).topk(k, -1).indices.to(torch.int32)
     for a, b in zip(routing_metadata_fwd(ids, e), routing_metadata_ref(ids, e), strict=True):
         assert torch.equal(a, b)
+
+
+def test_router_small_kernels():
+    """The router's one-kernel helpers on the GPU: the bf16 split of the gate weight bit for bit
+    (subnormals included, NaN as NaN), the scores' gradient against float64, the sorted weights exact."""
+    from test_routing import split_bf16_case
+
+    w, want = split_bf16_case(DEV)
+    got = _split_bf16(w)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan) and torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    t, e, k = 16384, 128, 8
+    scores = torch.rand(t, e, device=DEV).softmax(-1)
+    experts = scores.topk(k, -1).indices.to(torch.int32)
+    dw = torch.randn(t, k, device=DEV)
+    for renormalize in (True, False):
+        got = topk_weights_grad_fwd(dw, scores, experts, renormalize)
+        ref = topk_weights_grad_ref(dw.double(), scores.double(), experts.long(), renormalize)
+        assert ((got.double() - ref).abs().amax(1) / ref.abs().amax(1)).max() < 1e-6
+    _, _, _, row_of = routing_metadata_fwd(experts, e)
+    weights = torch.rand(t, k, device=DEV)
+    s = sorted_weights(weights, row_of)
+    assert torch.equal(s[row_of.long()], weights)
 
 
 @pytest.mark.parametrize("t, e, k", [(16384, 128, 8), (24576, 32, 4), (4000, 64, 6), (5, 256, 8)])

@@ -43,12 +43,19 @@ def ws_dswiglu_ok(a, b, aux, h_cols: int) -> bool:
             and all(cols * a.element_size() % ALIGN == 0 for cols in (aux.shape[1], h_cols)) and ws_ok(a, b, aux))
 
 
-def ws_desc(t, shape, strides, block):
-    """A Gluon TMA descriptor over bf16 ``t`` with the default swizzled layout for ``block``."""
+@functools.cache
+def _bf16_smem_layout(block: tuple):
     from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
+
+
+def ws_desc(t, shape, strides, block):
+    """A Gluon TMA descriptor over bf16 ``t`` with the default swizzled layout for ``block`` (the layout
+    built once per box shape: ~10 us of host time per call otherwise)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
-    return GluonDescriptor(t, shape, strides, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
+    return GluonDescriptor(t, shape, strides, block, _bf16_smem_layout(tuple(block)))
 
 
 def ws_ok(a: torch.Tensor, b: torch.Tensor, *outs: torch.Tensor) -> bool:

@@ -34,7 +34,8 @@ class GroupedExperts(nn.Module):
     than T*K, with negative row_of entries for choices that have no row: see
     :func:`moekit.grouped_mm_swiglu`). ``row_scale_R``
     (R,) float32 scales each row's SwiGLU output before the down-projection (the routing weights, so
-    that the combine is a plain sum); the bias is not scaled.
+    that the combine is a plain sum); the bias is not scaled. ``offs_E`` (E,) int32, the cumulative
+    counts where the caller has them (``Routing.offs``), saves their recomputation.
 
     ``nvfp4``: True or a :class:`moekit.nvfp4.TrainingRecipe` runs the two expert GEMMs and their
     backward on emulated NVFP4 operands (``moekit.nvfp4_train``); the parameters stay as they are.
@@ -87,8 +88,9 @@ class GroupedExperts(nn.Module):
         token_idx_R: torch.Tensor | None = None,
         row_of_TK: torch.Tensor | None = None,
         row_scale_R: torch.Tensor | None = None,
+        offs_E: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+        offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32) if offs_E is None else offs_E
         if self.nvfp4 is not None:
             return self.nvfp4.experts(self, x_RD, offs, token_idx_R, row_scale_R)
         w1, w2 = self.mlp1_weight_EGD, self.mlp2_weight_EDF
@@ -177,9 +179,9 @@ class MoE(nn.Module):
         self.aux_loss = r.aux_loss
         if self.experts.mlp2_bias_ED is None:  # weights applied before the (linear) down-projection
             scale = sorted_weights(r.weights, r.row_of)
-            ys = self.experts(x2, r.counts, r.token_idx, r.row_of, scale)  # permute-free: no copy of x
+            ys = self.experts(x2, r.counts, r.token_idx, r.row_of, scale, r.offs)  # permute-free: no copy of x
             return combine(ys, None, r.row_of).reshape(shape)
-        ys = self.experts(x2, r.counts, r.token_idx, r.row_of)
+        ys = self.experts(x2, r.counts, r.token_idx, r.row_of, None, r.offs)
         return combine(ys, r.weights, r.row_of).reshape(shape)
 
     @torch.no_grad()

@@ -28,6 +28,9 @@ from ._kernels.routing import (
     _route_scan_kernel,
     _route_scatter_kernel,
     _router_topk_kernel,
+    _scatter_weights_kernel,
+    _split_bf16_kernel,
+    _topk_weights_grad_kernel,
 )
 from .dispatch import custom_op
 
@@ -86,8 +89,8 @@ def router_topk_ref(logits: torch.Tensor, top_k: int, *, score_func: str = "soft
     return weights, experts
 
 
-def topk_weights_grad(dw: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor,
-                      renormalize: bool) -> torch.Tensor:
+def topk_weights_grad_ref(dw: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor,
+                          renormalize: bool) -> torch.Tensor:
     """The scores' gradient (T, E) of ``router_topk_ref``'s weights (the chosen experts' scores, divided
     by their sum when ``renormalize``), given dw (T, K) and the chosen experts (T, K) int64."""
     dw = dw.to(scores.dtype)
@@ -163,6 +166,34 @@ def router_topk_fwd(key: torch.Tensor, scores: torch.Tensor, top_k: int, renorma
             BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
         )
     return weights, experts
+
+
+def topk_weights_grad_fwd(dw: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor,
+                          renormalize: bool) -> torch.Tensor:
+    """Triton twin of ``topk_weights_grad_ref``: dw (T, K), scores (T, E) fp32, experts (T, K) int32
+    -> the scores' gradient (T, E) fp32, in one kernel."""
+    t, e = scores.shape
+    k = experts.shape[1]
+    ds = config.empty((t, e), dtype=torch.float32, device=scores.device)
+    if t:
+        block_e, block_k = triton.next_power_of_2(e), triton.next_power_of_2(k)
+        block_t = max(1, min(32, 8192 // (block_e * block_k)))
+        _topk_weights_grad_kernel[(triton.cdiv(t, block_t),)](
+            dw.float().contiguous(), scores, experts.contiguous(), ds, t, e, scores.stride(0), K=k,
+            RENORM=renormalize, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k,
+        )
+    return ds
+
+
+def scatter_weights_fwd(weights: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+    """out (T*K,) fp32 with out[row_of[t, k]] = weights[t, k], in one kernel (row_of a permutation of
+    [0, T*K), so every row is written)."""
+    n = weights.numel()
+    out = config.empty((n,), dtype=torch.float32, device=weights.device)
+    if n:
+        _scatter_weights_kernel[(triton.cdiv(n, 1024),)](weights.contiguous(), row_of.contiguous(), out, n,
+                                                         BLOCK=1024)
+    return out
 
 
 def gather_rows_with_ones(x: torch.Tensor, token_idx: torch.Tensor) -> torch.Tensor:
@@ -251,10 +282,38 @@ def _router_topk_setup(ctx, inputs, output):
 
 def _router_topk_backward(ctx, dw, _):
     scores, experts = ctx.saved_tensors
-    return None, topk_weights_grad(dw, scores, experts.long(), ctx.renormalize), None, None
+    return None, topk_weights_grad(dw, scores, experts, ctx.renormalize), None, None
 
 
 _router_topk_op.register_autograd(_router_topk_backward, setup_context=_router_topk_setup)
+
+
+@custom_op("moekit::topk_weights_grad")
+def _topk_weights_grad_op(dw: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor,
+                          renormalize: bool) -> torch.Tensor:
+    return topk_weights_grad_fwd(dw, scores, experts, renormalize)
+
+
+@_topk_weights_grad_op.register_fake
+def _(dw, scores, experts, renormalize):
+    return scores.new_empty(scores.shape, dtype=torch.float32)
+
+
+def topk_weights_grad(dw: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor, renormalize: bool):
+    """The scores' gradient of the top-k weights (``topk_weights_grad_ref``), one kernel where Triton runs."""
+    if not config.uses_triton(scores.device):
+        return topk_weights_grad_ref(dw, scores, experts.long(), renormalize)
+    return _topk_weights_grad_op(dw, scores, experts, renormalize)
+
+
+@custom_op("moekit::scatter_weights")
+def _scatter_weights_op(weights: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+    return scatter_weights_fwd(weights, row_of)
+
+
+@_scatter_weights_op.register_fake
+def _(weights, row_of):
+    return weights.new_empty((weights.numel(),), dtype=torch.float32)
 
 
 def _scores(logits, sigmoid: bool):
@@ -296,7 +355,7 @@ def _router_backward(ctx, dw, _):
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     logits = router_logits(x, weight, bias)  # the forward's logits again (the same GEMM)
     scores = _scores(logits, ctx.sigmoid)
-    ds = topk_weights_grad(dw, scores, experts.long(), ctx.renormalize)
+    ds = topk_weights_grad(dw, scores, experts, ctx.renormalize)
     if ctx.sigmoid:
         dl = torch.ops.aten.sigmoid_backward(ds, scores)
     else:
@@ -448,9 +507,17 @@ def topk_router(
 
 
 def _split_bf16(w: torch.Tensor) -> torch.Tensor:
-    """(E, D) fp32 -> (2E, D) bf16 [hi; lo] with hi + lo = w to ~16 mantissa bits."""
-    hi = w.to(torch.bfloat16)
-    return torch.cat([hi, (w - hi.float()).to(torch.bfloat16)])
+    """(E, D) fp32 -> (2E, D) bf16 [hi; lo] with hi + lo = w to ~16 mantissa bits (one kernel where
+    Triton runs, the same bits)."""
+    if not config.uses_triton(w.device):
+        hi = w.to(torch.bfloat16)
+        return torch.cat([hi, (w - hi.float()).to(torch.bfloat16)])
+    w = w.contiguous()
+    out = config.empty((2 * w.shape[0], w.shape[1]), dtype=torch.bfloat16, device=w.device)
+    n = w.numel()
+    if n:
+        _split_bf16_kernel[(triton.cdiv(n, 1024),)](w, out, n, BLOCK=1024)
+    return out
 
 
 @custom_op("moekit::router_logits")
@@ -561,14 +628,16 @@ def combine(y: torch.Tensor, weights: torch.Tensor | None, row_of: torch.Tensor)
 
 
 class _SortedWeightsFn(torch.autograd.Function):
-    """``sorted_weights``: the backward gathers through row_of itself (int32, which the block keeps
-    anyway), where ``index_copy``'s would save an int64 copy of it."""
+    """``sorted_weights``: one scatter kernel where Triton runs; the backward gathers through row_of
+    itself (int32, which the block keeps anyway), where ``index_copy``'s would save an int64 copy of it."""
 
     @staticmethod
     def forward(ctx, weights, row_of):
-        flat = weights.float().reshape(-1)
         ctx.save_for_backward(row_of)
         ctx.weights_dtype = weights.dtype
+        if config.uses_triton(weights.device):
+            return _scatter_weights_op(weights, row_of)
+        flat = weights.float().reshape(-1)
         return flat.new_empty(flat.shape).index_copy(0, row_of.reshape(-1).long(), flat)
 
     @staticmethod

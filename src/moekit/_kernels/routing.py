@@ -12,6 +12,10 @@
 * ``_combine_kernel``: out[t] = sum_k w[t, k] * y[row_of[t, k]] in fp32 (gather-reduce).
 * ``_combine_bwd_kernel``: dy[row_of[t, k]] = w[t, k] * dout[t], and dw[t, k] = <dout[t], y[row_of[t, k]]>;
   without w (a plain sum) it copies dout[t] to the K rows and reads no y.
+* ``_topk_weights_grad_kernel``: the router scores' gradient (T, E) from the chosen weights' (T, K),
+  through the renormalization if any: zero but at each token's K experts.
+* ``_split_bf16_kernel``: an fp32 tensor as two bf16 terms, hi = bf16(w) and lo = bf16(w - hi).
+* ``_scatter_weights_kernel``: out[row_of[i]] = w[i] in fp32 (the routing weights in sorted-row order).
 * ``_gather_rows_ones_kernel``: out[r] = x[token_idx[r]] followed by a column of ones (the
   permute-free backward's copy of x for dW_up, whose ones column makes that GEMM yield db_up too;
   a plain gather is the plain combine's backward kernel).
@@ -60,6 +64,50 @@ def _router_topk_kernel(
     out = rows[:, None] * K + kcols[None, :]
     tl.store(weights + out, w, mask=mask)
     tl.store(experts + out, ids, mask=mask)
+
+
+@triton.jit
+def _topk_weights_grad_kernel(
+    dw, scores, experts, ds, T, E, stride_scores,  # dw (T, K) fp32, experts (T, K) int; scores, ds (T, E) fp32
+    K: tl.constexpr, RENORM: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    kcols = tl.arange(0, BLOCK_K)
+    mask = row_ok[:, None] & (kcols[None, :] < K)
+    at = rows[:, None] * K + kcols[None, :]
+    g = tl.load(dw + at, mask=mask, other=0.0)
+    ids = tl.load(experts + at, mask=mask, other=-1).to(tl.int32)
+    if RENORM:  # w = p / max(sum p, 1e-20); below the clamp the divisor is a constant
+        p = tl.load(scores + rows[:, None].to(tl.int64) * stride_scores + ids, mask=mask, other=0.0)
+        total = tl.sum(p, 1)
+        div = tl.where(total < 1e-20, 1e-20, total)[:, None]
+        kept = (total >= 1e-20).to(tl.float32)[:, None]
+        g = (g - kept * tl.sum((p / div) * g, 1)[:, None]) / div
+    cols = tl.arange(0, BLOCK_E)
+    hit = ids[:, :, None] == cols[None, None, :]  # (BLOCK_T, BLOCK_K, BLOCK_E); padding ids are -1
+    out = tl.sum(tl.where(hit, g[:, :, None], 0.0), 1)
+    tl.store(ds + rows[:, None].to(tl.int64) * E + cols[None, :], out, mask=row_ok[:, None] & (cols[None, :] < E))
+
+
+@triton.jit
+def _split_bf16_kernel(w, out, N, BLOCK: tl.constexpr):  # w (N,) fp32 -> out (2N,) bf16: [hi; lo]
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < N
+    v = tl.load(w + idx, mask=ok, other=0.0)
+    hi = v.to(tl.bfloat16)  # round to nearest even, as torch's .to(torch.bfloat16)
+    tl.store(out + idx, hi, mask=ok)
+    tl.store(out + N + idx, (v - hi.to(tl.float32)).to(tl.bfloat16), mask=ok)
+
+
+@triton.jit
+def _scatter_weights_kernel(w, row_of, out, N, BLOCK: tl.constexpr):  # w, row_of (N,); out (R,) fp32
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < N
+    rows = tl.load(row_of + idx, mask=ok, other=0)
+    v = tl.load(w + idx, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out + rows, v, mask=ok & (rows >= 0))
 
 
 @triton.jit
