@@ -85,6 +85,16 @@ def main():
     add("block step", step)
     for name, us in rows:
         print(f"{us:9.1f} us  {name}")
+    from torch.profiler import ProfilerActivity, profile
+
+    out = moe(x)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as tprof:
+        torch.autograd.grad(out, params, dy)
+    nodes = [e for e in tprof.events() if e.name.startswith("autograd::engine::evaluate_function")]
+    print(f"backward nodes (host us, profiled): {sum(e.cpu_time_total for e in nodes):.0f} in all")
+    for e in nodes:
+        print(f"{e.cpu_time_total:9.1f} us  {e.name.split(': ', 1)[-1]}")
     prof = cProfile.Profile()
     for _ in range(5):
         out = moe(x)
