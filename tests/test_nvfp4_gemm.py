@@ -133,6 +133,10 @@ PINNED = [
     pytest.param(config.TileConfig(16, 32, 32, group_m=1, num_warps=4, num_stages=1, swap=True), id="swap"),
     pytest.param(config.TileConfig(32, 64, 64, group_m=2, num_warps=4, num_stages=1, swap=True),
                  id="swap-bk-wider-than-k"),
+    pytest.param(config.TileConfig(16, 32, 16, group_m=1, num_warps=4, num_stages=1, swap=True, prefetch=True),
+                 id="swap-prefetch"),  # the weights' next K step loaded ahead, and past K on the last
+    pytest.param(config.TileConfig(16, 16, 32, group_m=4, num_warps=4, num_stages=1, prefetch=True),
+                 id="prefetch-partial-last-k-step"),
 ]
 
 
@@ -208,6 +212,8 @@ PACKED_CASES = [
                                                            swap=True), id="swap-half-last-k-step"),
     pytest.param([13, 11], 24, 64, 16, config.TileConfig(16, 16, 64, group_m=2, num_warps=4, num_stages=1),
                  id="plain-one-chunk"),
+    pytest.param([7, 0, 4], 11, 192, 24, config.TileConfig(16, 32, 64, group_m=1, num_warps=4, num_stages=1,
+                                                           swap=True, prefetch=True), id="swap-prefetch"),
     pytest.param([150, 0, 41], 200, 128, 40, None, id="dequantized"),
 ]
 
@@ -474,6 +480,8 @@ def test_kernel_matches_the_oracle_gpu(counts, m, k, n, ptx):
                  id="swap64-bk64"),
     pytest.param(config.TileConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3), id="plain128-bk32"),
     pytest.param(config.TileConfig(64, 64, 64, group_m=4, num_warps=4, num_stages=2), id="plain64-bk64"),
+    pytest.param(config.TileConfig(16, 128, 128, group_m=1, num_warps=4, num_stages=3, programs_per_sm=4, swap=True,
+                                   prefetch=True), id="swap16-bk128-prefetch"),
 ])
 def test_pinned_tiles_gpu(cfg, ptx):
     """Pinned tiles on the GPU (the transposed ones with experts past their M tile), an empty expert and
@@ -493,6 +501,8 @@ def test_pinned_tiles_gpu(cfg, ptx):
     pytest.param(config.TileConfig(64, 128, 64, group_m=1, num_warps=4, num_stages=3, programs_per_sm=2, swap=True),
                  id="swap64-bk64"),
     pytest.param(config.TileConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3), id="plain128-bk64"),
+    pytest.param(config.TileConfig(16, 128, 128, group_m=1, num_warps=4, num_stages=3, programs_per_sm=4, swap=True,
+                                   prefetch=True), id="swap16-bk128-prefetch"),
 ])
 def test_packed_weights_gpu(cfg, ptx):
     """Packed weights (the word decode with ``ptx``) give the bits of the K-ordered ones on the same tile,

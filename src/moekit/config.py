@@ -28,7 +28,8 @@ class TileConfig:
     programs share each SM (above 1 only when their shared memory fits together); ``swap`` (the NVFP4
     GEMM) computes the tile transposed, the weights' rows as the MMA's rows; ``max_registers`` caps the
     registers per thread (Triton's ``maxnreg``), so that more programs reside on an SM's 64K registers
-    at once (the NVFP4 GEMM; the grid stays ``programs_per_sm`` programs per SM).
+    at once (the NVFP4 GEMM; the grid stays ``programs_per_sm`` programs per SM); ``prefetch`` (the NVFP4
+    GEMM) loads the weights' next K step into registers while the current one is decoded and multiplied.
     """
 
     block_m: int
@@ -42,6 +43,7 @@ class TileConfig:
     programs_per_sm: int = 1
     swap: bool = False
     max_registers: int | None = None
+    prefetch: bool = False
 
 
 @dataclass(frozen=True)

@@ -258,6 +258,7 @@ def grouped_mm_nvfp4_fwd(
         GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(e + 1),
         OP_DTYPE={torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[op_dtype],
         PTX=ptx, W_PACKED=w_packed, SWAP=cfg.swap, A_DECODED=cfg.swap, NUM_STAGES=cfg.num_stages,
+        W_PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps, **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
     )
     return out

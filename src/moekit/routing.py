@@ -174,6 +174,7 @@ def topk_weights_grad_fwd(dw: torch.Tensor, scores: torch.Tensor, experts: torch
     -> the scores' gradient (T, E) fp32, in one kernel."""
     t, e = scores.shape
     k = experts.shape[1]
+    scores = scores.contiguous()  # the kernel reads a row's entries at unit stride
     ds = config.empty((t, e), dtype=torch.float32, device=scores.device)
     if t:
         block_e, block_k = triton.next_power_of_2(e), triton.next_power_of_2(k)

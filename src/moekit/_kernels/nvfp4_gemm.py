@@ -134,16 +134,22 @@ def _load_byte_tile(ptr, row, col, row_end, col_end, stride_r, stride_c, BLOCK_R
 
 
 @triton.jit
-def _decode_words(values, sc, row, k, row_end, K, stride_vr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A packed weight tile (``PACKED`` and ``PTX``): its bytes loaded as 32-bit words (unit byte stride,
-    rows 4-byte aligned), decoded by ``_E2M1_WORD_F16`` and put back in K order; ``sc`` the tile's
-    scale codes [BLOCK_R, BLOCK_K / 16]. Word w of a 64-element chunk c holds, for t = (w // 2) and
-    j = w % 2, the bytes t and t + 4 of blocks 2j and 2j + 1 (``nvfp4_gemm.pack_weights``)."""
-    C: tl.constexpr = BLOCK_K // 64
+def _load_words(values, row, k, row_end, K, stride_vr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A packed weight tile's bytes as 32-bit words [BLOCK_R, BLOCK_K / 8] (unit byte stride, rows 4-byte
+    aligned); rows >= row_end and words past K read as 0."""
     rows = row + tl.arange(0, BLOCK_R)
     cols = k // 8 + tl.arange(0, BLOCK_K // 8)
     words = (values + rows[:, None].to(tl.int64) * stride_vr).to(tl.pointer_type(tl.int32)) + cols[None, :]
-    w = tl.load(words, mask=(rows < row_end)[:, None] & (cols < K // 8)[None, :], other=0)
+    return tl.load(words, mask=(rows < row_end)[:, None] & (cols < K // 8)[None, :], other=0)
+
+
+@triton.jit
+def _decode_words(w, sc, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A packed weight tile (``PACKED`` and ``PTX``) from its words (``_load_words``), decoded by
+    ``_E2M1_WORD_F16`` and put back in K order; ``sc`` the tile's scale codes [BLOCK_R, BLOCK_K / 16].
+    Word w of a 64-element chunk c holds, for t = (w // 2) and j = w % 2, the bytes t and t + 4 of blocks
+    2j and 2j + 1 (``nvfp4_gemm.pack_weights``)."""
+    C: tl.constexpr = BLOCK_K // 64
     s = tl.inline_asm_elementwise(_E4M3_F16, "=h,r", [sc], dtype=tl.float16, is_pure=True, pack=1)
     s0, s1 = tl.split(tl.reshape(s, [BLOCK_R, C, 2, 2]))  # the scales of blocks 2j and 2j + 1, [R, C, j]
     s0 = tl.reshape(tl.broadcast_to(s0[:, :, None, :], [BLOCK_R, C, 4, 2]), [BLOCK_R, BLOCK_K // 8])
@@ -158,22 +164,33 @@ def _decode_words(values, sc, row, k, row_end, K, stride_vr, BLOCK_R: tl.constex
 
 
 @triton.jit
-def _load_nvfp4(
+def _load_nvfp4_raw(
     values, scales,  # one operand's bytes: values (rows, K / 2), scales (rows, K / 16) uint8, strided
     row, k, row_end, K,
     stride_vr, stride_vk, stride_sr, stride_sk,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, OP_DTYPE: tl.constexpr, PTX: tl.constexpr,
-    PACKED: tl.constexpr = False,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr, PACKED: tl.constexpr = False,
 ):
-    """The [BLOCK_R, BLOCK_K] tile at (row, k) decoded to e2m1 value * block scale in ``OP_DTYPE``
-    (exact: module docstring; f16 when ``PTX``). Rows >= row_end and columns >= K read as 0 (a zero
-    code and scale). ``PACKED``: the bytes are in ``nvfp4_gemm.pack_weights``'s order (BLOCK_K a
-    multiple of 64, unit byte stride)."""
+    """The [BLOCK_R, BLOCK_K] tile at (row, k) as loaded, before decoding: (its values, as 32-bit words
+    [BLOCK_R, BLOCK_K / 8] where ``PACKED`` and ``PTX``, else bytes [BLOCK_R, BLOCK_K / 2]; its scale
+    codes [BLOCK_R, BLOCK_K / 16]), int32. Rows >= row_end and columns >= K read as 0 (a zero code and
+    scale)."""
     NB: tl.constexpr = BLOCK_K // 16
     sc = _load_byte_tile(scales, row, k // 16, row_end, K // 16, stride_sr, stride_sk, BLOCK_R, NB)
     if PACKED and PTX:
-        return _decode_words(values, sc, row, k, row_end, K, stride_vr, BLOCK_R, BLOCK_K)
+        return _load_words(values, row, k, row_end, K, stride_vr, BLOCK_R, BLOCK_K), sc
     b = _load_byte_tile(values, row, k // 2, row_end, K // 2, stride_vr, stride_vk, BLOCK_R, BLOCK_K // 2)
+    return b, sc
+
+
+@triton.jit
+def _decode_nvfp4(b, sc, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, OP_DTYPE: tl.constexpr, PTX: tl.constexpr,
+                  PACKED: tl.constexpr = False):
+    """A tile loaded by ``_load_nvfp4_raw`` decoded to e2m1 value * block scale in ``OP_DTYPE`` (exact:
+    module docstring; f16 when ``PTX``). ``PACKED``: the bytes are in ``nvfp4_gemm.pack_weights``'s
+    order (BLOCK_K a multiple of 64, unit byte stride)."""
+    NB: tl.constexpr = BLOCK_K // 16
+    if PACKED and PTX:
+        return _decode_words(b, sc, BLOCK_R, BLOCK_K)
     if PACKED:
         b = _packed_to_k_order(b, BLOCK_R, BLOCK_K // 2)
     if PTX:
@@ -187,6 +204,18 @@ def _load_nvfp4(
         v = tl.reshape(tl.join(even, odd), [BLOCK_R, BLOCK_K])  # the even element is the low nibble
         x = tl.reshape(v, [BLOCK_R, NB, 16]) * (_e4m3_value(sc) * TWO_63)[:, :, None] * TWO_63
         return tl.reshape(x, [BLOCK_R, BLOCK_K]).to(OP_DTYPE)
+
+
+@triton.jit
+def _load_nvfp4(
+    values, scales, row, k, row_end, K, stride_vr, stride_vk, stride_sr, stride_sk,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, OP_DTYPE: tl.constexpr, PTX: tl.constexpr,
+    PACKED: tl.constexpr = False,
+):
+    """``_load_nvfp4_raw`` then ``_decode_nvfp4``: the decoded [BLOCK_R, BLOCK_K] tile at (row, k)."""
+    b, sc = _load_nvfp4_raw(values, scales, row, k, row_end, K, stride_vr, stride_vk, stride_sr, stride_sk,
+                            BLOCK_R, BLOCK_K, PTX, PACKED)
+    return _decode_nvfp4(b, sc, BLOCK_R, BLOCK_K, OP_DTYPE, PTX, PACKED)
 
 
 @triton.jit
@@ -205,6 +234,7 @@ def _grouped_mm_nvfp4_kernel(
     PTX: tl.constexpr,  # the inline-PTX decode (sm_89 and newer)
     W_PACKED: tl.constexpr,  # w_values in nvfp4_gemm.pack_weights's byte order (contiguous, K % 64 == 0)
     SWAP: tl.constexpr, A_DECODED: tl.constexpr, NUM_STAGES: tl.constexpr,
+    W_PREFETCH: tl.constexpr,  # the weights' next K step loaded a step ahead, in registers
 ):
     tiles_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -222,6 +252,11 @@ def _grouped_mm_nvfp4_kernel(
             acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # W_PREFETCH: the next K step's weight bytes load while this step's decode and MMA run (the
+        # software pipeline does not take loads that reach the MMA through the decode's arithmetic)
+        if W_PREFETCH:
+            w_raw, w_sc = _load_nvfp4_raw(wv, ws, col, 0, N, K, stride_wvn, stride_wvk, stride_wsn, stride_wsk,
+                                          BLOCK_N, BLOCK_K, PTX, W_PACKED)
         for ki in tl.range(tl.where(real, k_tiles, 0), num_stages=NUM_STAGES):
             k = ki * BLOCK_K
             if A_DECODED:  # already value * block scale, in OP_DTYPE
@@ -229,8 +264,13 @@ def _grouped_mm_nvfp4_kernel(
             else:
                 a_tile = _load_nvfp4(a_values, a_scales, row, k, end, K, stride_avm, stride_avk, stride_asm,
                                      stride_ask, BLOCK_M, BLOCK_K, OP_DTYPE, PTX)
-            w_tile = _load_nvfp4(wv, ws, col, k, N, K, stride_wvn, stride_wvk, stride_wsn, stride_wsk,
-                                 BLOCK_N, BLOCK_K, OP_DTYPE, PTX, W_PACKED)
+            if W_PREFETCH:
+                w_tile = _decode_nvfp4(w_raw, w_sc, BLOCK_N, BLOCK_K, OP_DTYPE, PTX, W_PACKED)
+                w_raw, w_sc = _load_nvfp4_raw(wv, ws, col, k + BLOCK_K, N, K, stride_wvn, stride_wvk, stride_wsn,
+                                              stride_wsk, BLOCK_N, BLOCK_K, PTX, W_PACKED)
+            else:
+                w_tile = _load_nvfp4(wv, ws, col, k, N, K, stride_wvn, stride_wvk, stride_wsn, stride_wsk,
+                                     BLOCK_N, BLOCK_K, OP_DTYPE, PTX, W_PACKED)
             if SWAP:
                 acc_t = tl.dot(w_tile, a_tile.T, acc_t)
             else:
