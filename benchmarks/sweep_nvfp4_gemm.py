@@ -6,7 +6,7 @@ the sweep (``swap=True``, pinned through ``grouped_mm_nvfp4_fwd``), each checked
 the default tile's output, the fastest printed first.
 
     python benchmarks/sweep_nvfp4_gemm.py [--rows 16 64] [--block-m 16 32 64] [--block-n 128 256]
-        [--block-k 64 128] [--warps 4 8] [--programs 1 2 4] [--maxnreg 0 168 128] [--packed]
+        [--block-k 64 128] [--warps 4 8] [--programs 1 2 4] [--maxnreg 0 168 128] [--prefetch 0 1] [--packed]
 """
 
 import argparse
@@ -33,6 +33,8 @@ def main():
     parser.add_argument("--programs", type=int, nargs="+", default=[1, 2, 4], help="programs per SM")
     parser.add_argument("--maxnreg", type=int, nargs="+", default=[0],
                         help="register caps per thread (0: none; Triton's maxnreg)")
+    parser.add_argument("--prefetch", type=int, nargs="+", default=[0],
+                        help="0/1: the weights' next K step loaded ahead in registers (TileConfig.prefetch)")
     parser.add_argument("--top", type=int, default=8)
     parser.add_argument("--packed", action="store_true", help="packed weights (nvfp4_gemm.pack_weights)")
     args = parser.parse_args()
@@ -53,10 +55,10 @@ def main():
         print(f"\n{rows} rows per expert: bf16 {t_bf16:.3f} ms, NVFP4 default tile {t_default:.3f} ms "
               f"(bf16 / NVFP4 {t_bf16 / t_default:.2f})")
         results = []
-        for bm, bn, bk, warps, programs, nreg in itertools.product(args.block_m, args.block_n, args.block_k,
-                                                                   args.warps, args.programs, args.maxnreg):
+        for bm, bn, bk, warps, programs, nreg, pre in itertools.product(
+                args.block_m, args.block_n, args.block_k, args.warps, args.programs, args.maxnreg, args.prefetch):
             cfg = config.TileConfig(bm, bn, bk, group_m=1, num_warps=warps, num_stages=3, programs_per_sm=programs,
-                                    swap=True, max_registers=nreg or None)
+                                    swap=True, max_registers=nreg or None, prefetch=bool(pre))
             try:
                 run = functools.partial(grouped_mm_nvfp4_fwd, *q, torch.bfloat16, args.packed, cfg=cfg)
                 equal = torch.equal(run(), want)
@@ -64,10 +66,11 @@ def main():
             except Exception as exc:  # a tile that does not compile: report it and go on
                 print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:100]}")
                 continue
-            results.append((t, bm, bn, bk, warps, programs, nreg, equal))
-        for t, bm, bn, bk, warps, programs, nreg, equal in sorted(results)[:args.top]:
+            results.append((t, bm, bn, bk, warps, programs, nreg, pre, equal))
+        for t, bm, bn, bk, warps, programs, nreg, pre, equal in sorted(results)[:args.top]:
             print(f"  {t:.3f} ms ({t_bf16 / t:.2f}) block_m {bm} block_n {bn} block_k {bk} warps {warps} "
-                  f"programs/SM {programs} maxnreg {nreg or '-'}{'' if equal else '  DIFFERS from the default tile'}")
+                  f"programs/SM {programs} maxnreg {nreg or '-'} prefetch {pre}"
+                  f"{'' if equal else '  DIFFERS from the default tile'}")
 
 
 if __name__ == "__main__":

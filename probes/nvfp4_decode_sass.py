@@ -2,6 +2,7 @@
 tile forms, with a host check of the bf16 byte-table recipe.
 
     python probes/nvfp4_decode_sass.py [--variant bits|ptx-f16|prmt-bf16 ...] [--tile swap16|plain128]
+        [--maxnreg N] [--prefetch]
 
 - ``bits``: the decode written in Triton ops (``_e2m1_placed``: code bits placed in an fp32 word, two
   exact fp32 multiplies by the block scale, a cast to bf16), the library's ``PTX=False``.
@@ -115,7 +116,7 @@ TILES = {  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, SWAP)
 }
 
 
-def compile_variant(name: str, tile: str, maxnreg: int | None = None) -> dict:
+def compile_variant(name: str, tile: str, maxnreg: int | None = None, prefetch: bool = False) -> dict:
     load, op, ptx, packed = VARIANTS[name]
     bm, bn, bk, group_m, warps, swap = TILES[tile]
     if packed and bk % 64:
@@ -130,8 +131,7 @@ def compile_variant(name: str, tile: str, maxnreg: int | None = None) -> dict:
     sig = dict(zip(names, types + ["i32"] * (len(names) - len(types)), strict=True))
     const = dict(stride_avk=1, stride_ask=1, stride_wvk=1, stride_wsk=1, stride_wg=1, BLOCK_M=bm, BLOCK_N=bn,
                  BLOCK_K=bk, GROUP_M=group_m, BLOCK_E=64, OP_DTYPE=op, PTX=ptx, W_PACKED=packed, SWAP=swap,
-                 A_DECODED=swap,
-                 NUM_STAGES=3)
+                 A_DECODED=swap, NUM_STAGES=3, W_PREFETCH=prefetch)
     sig.update({n: "constexpr" for n in const})
     aligned = {"a_values", "a_scales", "a_global", "w_values", "w_scales", "w_global", "c", "offs_ptr", "N", "K",
                "stride_avm", "stride_asm", "stride_wve", "stride_wvn", "stride_wse", "stride_wsn", "stride_cm"}
@@ -159,6 +159,8 @@ def main() -> None:
     p.add_argument("--variant", action="append", choices=list(VARIANTS))
     p.add_argument("--tile", action="append", choices=list(TILES))
     p.add_argument("--maxnreg", type=int, help="cap the registers per thread (Triton's maxnreg)")
+    p.add_argument("--prefetch", action="store_true",
+                   help="the weights' next K step loaded ahead (W_PREFETCH; the library's decode, not --variant's)")
     a = p.parse_args()
     check_tables()
     print(f"triton {triton.__version__}")
@@ -166,7 +168,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for tile in a.tile or list(TILES):
         for name in a.variant or list(VARIANTS):
-            r = compile_variant(name, tile, a.maxnreg)
+            r = compile_variant(name, tile, a.maxnreg, a.prefetch)
             if r is None:  # packed weights need BLOCK_K % 64 == 0
                 continue
             o = r["ops"]

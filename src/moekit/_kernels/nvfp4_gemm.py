@@ -176,9 +176,10 @@ def _load_nvfp4_raw(
     scale)."""
     NB: tl.constexpr = BLOCK_K // 16
     sc = _load_byte_tile(scales, row, k // 16, row_end, K // 16, stride_sr, stride_sk, BLOCK_R, NB)
-    if PACKED and PTX:
-        return _load_words(values, row, k, row_end, K, stride_vr, BLOCK_R, BLOCK_K), sc
-    b = _load_byte_tile(values, row, k // 2, row_end, K // 2, stride_vr, stride_vk, BLOCK_R, BLOCK_K // 2)
+    if PACKED and PTX:  # (one return: Triton checks every return's type, even under a constexpr if)
+        b = _load_words(values, row, k, row_end, K, stride_vr, BLOCK_R, BLOCK_K)
+    else:
+        b = _load_byte_tile(values, row, k // 2, row_end, K // 2, stride_vr, stride_vk, BLOCK_R, BLOCK_K // 2)
     return b, sc
 
 
@@ -189,21 +190,24 @@ def _decode_nvfp4(b, sc, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, OP_DTYPE:
     module docstring; f16 when ``PTX``). ``PACKED``: the bytes are in ``nvfp4_gemm.pack_weights``'s
     order (BLOCK_K a multiple of 64, unit byte stride)."""
     NB: tl.constexpr = BLOCK_K // 16
-    if PACKED and PTX:
-        return _decode_words(b, sc, BLOCK_R, BLOCK_K)
-    if PACKED:
-        b = _packed_to_k_order(b, BLOCK_R, BLOCK_K // 2)
-    if PTX:
-        s = tl.inline_asm_elementwise(_E4M3_F16, "=h,r", [sc], dtype=tl.float16, is_pure=True, pack=1)
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_R, NB, 8]), [BLOCK_R, BLOCK_K // 2])  # per byte
-        even, odd = tl.inline_asm_elementwise(_E2M1_PAIR_F16, "=h,=h,r,h", [b, s],
-                                              dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
-        return tl.reshape(tl.join(even, odd), [BLOCK_R, BLOCK_K])  # the even element is the low nibble
+    # (no early return: Triton compiles what follows a return under a constexpr if as well)
+    if PACKED and PTX:  # b holds words
+        x = _decode_words(b, sc, BLOCK_R, BLOCK_K)
     else:
-        even, odd = _e2m1_placed(b)
-        v = tl.reshape(tl.join(even, odd), [BLOCK_R, BLOCK_K])  # the even element is the low nibble
-        x = tl.reshape(v, [BLOCK_R, NB, 16]) * (_e4m3_value(sc) * TWO_63)[:, :, None] * TWO_63
-        return tl.reshape(x, [BLOCK_R, BLOCK_K]).to(OP_DTYPE)
+        if PACKED:
+            b = _packed_to_k_order(b, BLOCK_R, BLOCK_K // 2)
+        if PTX:
+            s = tl.inline_asm_elementwise(_E4M3_F16, "=h,r", [sc], dtype=tl.float16, is_pure=True, pack=1)
+            s = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_R, NB, 8]), [BLOCK_R, BLOCK_K // 2])  # per byte
+            even, odd = tl.inline_asm_elementwise(_E2M1_PAIR_F16, "=h,=h,r,h", [b, s],
+                                                  dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+            x = tl.reshape(tl.join(even, odd), [BLOCK_R, BLOCK_K])  # the even element is the low nibble
+        else:
+            even, odd = _e2m1_placed(b)
+            v = tl.reshape(tl.join(even, odd), [BLOCK_R, BLOCK_K])  # the even element is the low nibble
+            x = tl.reshape(v, [BLOCK_R, NB, 16]) * (_e4m3_value(sc) * TWO_63)[:, :, None] * TWO_63
+            x = tl.reshape(x, [BLOCK_R, BLOCK_K]).to(OP_DTYPE)
+    return x
 
 
 @triton.jit
