@@ -379,13 +379,16 @@ def nvfp4_gemm_config(m: int, e: int, device: torch.device, packed: bool = False
     with the 64-row tile (0.50 against 0.54 ms at 64 rows per expert; 128 was faster at 16). The 64-row
     tile is capped at 168 registers per thread (3 resident programs per SM instead of 2: 0.338 against
     0.368 ms with packed weights); at 16 and 32 rows the cap changed nothing or cost 5%, and a cap of
-    128 cost 10-70% everywhere. The 32- and 64-row tiles load the weights' next K step ahead
-    (``prefetch``; packed weights: 0.270 -> 0.260 ms at 32 rows, 0.338 -> 0.282 at 64 with the cap); at
-    16 rows it cost 4% (0.268 -> 0.280). Under the interpreter: a small untransposed tile (tests pin the
-    others). Measured on an H100: ``benchmarks/bench_nvfp4.py``, ``benchmarks/sweep_nvfp4_gemm.py``."""
+    128 cost 10-70% everywhere. The 64-row tile, and the 32-row one on packed weights, load the weights'
+    next K step ahead (``prefetch``): 0.338 -> 0.282 ms at 64 rows (packed, with the cap), 0.402 -> 0.330
+    (K-ordered), 0.270 -> 0.260 at 32 rows (packed); it cost 0.298 -> 0.357-0.377 ms at 32 rows on
+    K-ordered weights and 0.268 -> 0.280 at 16 rows (packed). Under the interpreter: a small
+    untransposed tile (tests pin the others). Measured on an H100: ``benchmarks/bench_nvfp4.py``,
+    ``benchmarks/sweep_nvfp4_gemm.py``."""
     if device.type != "cuda":
         return dataclasses.replace(_NVFP4_INTERPRETER_CONFIG, block_k=64) if packed else _NVFP4_INTERPRETER_CONFIG
     block_m = 16 if m <= 16 * e else 32 if m <= 32 * e else 64
     return TileConfig(block_m=block_m, block_n=128, block_k=128 if block_m <= 32 else 64, group_m=1,
                       num_warps=4, num_stages=3, programs_per_sm=4, swap=True,
-                      max_registers=168 if block_m == 64 else None, prefetch=block_m >= 32)
+                      max_registers=168 if block_m == 64 else None,
+                      prefetch=block_m == 64 or (block_m == 32 and packed))
