@@ -110,6 +110,7 @@ VARIANTS = {  # (loader, OP_DTYPE, PTX, W_PACKED)
 }
 TILES = {  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, SWAP)
     "swap16": (16, 128, 128, 1, 4, True),
+    "swap32": (32, 128, 128, 1, 4, True),
     "swap64": (64, 128, 64, 1, 4, True),
     "plain128": (128, 128, 32, 8, 8, False),
     "plain128-k64": (128, 128, 64, 8, 8, False),
