@@ -169,6 +169,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for tile in a.tile or list(TILES):
         for name in a.variant or list(VARIANTS):
+            if a.prefetch and VARIANTS[name][0] is not LIBRARY_LOAD:  # the prefetch runs the library's decode
+                continue
             r = compile_variant(name, tile, a.maxnreg, a.prefetch)
             if r is None:  # packed weights need BLOCK_K % 64 == 0
                 continue
