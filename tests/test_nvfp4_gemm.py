@@ -482,6 +482,8 @@ def test_kernel_matches_the_oracle_gpu(counts, m, k, n, ptx):
     pytest.param(config.TileConfig(64, 64, 64, group_m=4, num_warps=4, num_stages=2), id="plain64-bk64"),
     pytest.param(config.TileConfig(16, 128, 128, group_m=1, num_warps=4, num_stages=3, programs_per_sm=4, swap=True,
                                    prefetch=True), id="swap16-bk128-prefetch"),
+    pytest.param(config.TileConfig(64, 128, 64, group_m=1, num_warps=4, num_stages=3, programs_per_sm=4, swap=True,
+                                   max_registers=168, prefetch=True), id="swap64-capped-prefetch"),
 ])
 def test_pinned_tiles_gpu(cfg, ptx):
     """Pinned tiles on the GPU (the transposed ones with experts past their M tile), an empty expert and
@@ -503,6 +505,8 @@ def test_pinned_tiles_gpu(cfg, ptx):
     pytest.param(config.TileConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3), id="plain128-bk64"),
     pytest.param(config.TileConfig(16, 128, 128, group_m=1, num_warps=4, num_stages=3, programs_per_sm=4, swap=True,
                                    prefetch=True), id="swap16-bk128-prefetch"),
+    pytest.param(config.TileConfig(64, 128, 64, group_m=1, num_warps=4, num_stages=3, programs_per_sm=4, swap=True,
+                                   max_registers=168, prefetch=True), id="swap64-capped-prefetch"),
 ])
 def test_packed_weights_gpu(cfg, ptx):
     """Packed weights (the word decode with ``ptx``) give the bits of the K-ordered ones on the same tile,

@@ -368,21 +368,23 @@ def nvfp4_gemm_dequantizes(m: int, e: int) -> bool:
     return m > NVFP4_DECODE_ROWS * e
 
 
-def nvfp4_gemm_config(m: int, e: int, device: torch.device, packed: bool = False) -> TileConfig:
+def nvfp4_gemm_config(m: int, e: int, device: torch.device, packed: bool = False, ptx: bool = True) -> TileConfig:
     """The tile of the NVFP4 grouped GEMM's decoding kernel (``nvfp4_gemm``) for m rows over e experts,
     at most ``NVFP4_DECODE_ROWS`` rows per expert on average (above, the launcher dequantizes instead:
     ``nvfp4_gemm_dequantizes``). BLOCK_K is a power of two and a multiple of 16 (whole scale blocks), of
-    64 with ``packed`` weights (``nvfp4_gemm.pack_weights``).
+    64 with ``packed`` weights (``nvfp4_gemm.pack_weights``); ``ptx``: the inline-PTX decode runs
+    (``use_nvfp4_ptx_decode``).
 
     The transposed tile (``swap``): 128 weight rows by an M tile of 16, 32 or 64 rows, the smallest that
     holds the average expert's rows, so the GEMM decodes each weight tile about once. BLOCK_K 128, or 64
     with the 64-row tile (0.50 against 0.54 ms at 64 rows per expert; 128 was faster at 16). The 64-row
     tile is capped at 168 registers per thread (3 resident programs per SM instead of 2: 0.338 against
     0.368 ms with packed weights); at 16 and 32 rows the cap changed nothing or cost 5%, and a cap of
-    128 cost 10-70% everywhere. The 64-row tile, and the 32-row one on packed weights, load the weights'
-    next K step ahead (``prefetch``): 0.338 -> 0.282 ms at 64 rows (packed, with the cap), 0.402 -> 0.330
-    (K-ordered), 0.270 -> 0.260 at 32 rows (packed); it cost 0.298 -> 0.357-0.377 ms at 32 rows on
-    K-ordered weights and 0.268 -> 0.280 at 16 rows (packed). Under the interpreter: a small
+    128 cost 10-70% everywhere. The 64-row tile, and the 32-row one but for K-ordered bytes under the
+    PTX decode, load the weights' next K step ahead (``prefetch``): 0.338 -> 0.282 ms at 64 rows (packed,
+    with the cap), 0.402 -> 0.330 (K-ordered), 0.270 -> 0.260 at 32 rows (packed), 0.435 -> 0.406
+    (Triton-op decode); it cost 0.298 -> 0.357-0.377 ms at 32 rows on K-ordered bytes with the PTX
+    decode and 0.268 -> 0.280 at 16 rows (packed). Under the interpreter: a small
     untransposed tile (tests pin the others). Measured on an H100: ``benchmarks/bench_nvfp4.py``,
     ``benchmarks/sweep_nvfp4_gemm.py``."""
     if device.type != "cuda":
@@ -391,4 +393,4 @@ def nvfp4_gemm_config(m: int, e: int, device: torch.device, packed: bool = False
     return TileConfig(block_m=block_m, block_n=128, block_k=128 if block_m <= 32 else 64, group_m=1,
                       num_warps=4, num_stages=3, programs_per_sm=4, swap=True,
                       max_registers=168 if block_m == 64 else None,
-                      prefetch=block_m == 64 or (block_m == 32 and packed))
+                      prefetch=block_m == 64 or (block_m == 32 and (packed or not ptx)))

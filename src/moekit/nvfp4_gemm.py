@@ -231,7 +231,8 @@ def grouped_mm_nvfp4_fwd(
         return out.zero_()
     if cfg is None and config.nvfp4_gemm_dequantizes(m, e):
         return _dequantized_mm(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out_dtype, w_packed)
-    cfg = cfg or config.nvfp4_gemm_config(m, e, a_values.device, w_packed)
+    ptx = config.use_nvfp4_ptx_decode(a_values.device)
+    cfg = cfg or config.nvfp4_gemm_config(m, e, a_values.device, w_packed, ptx)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     if bk % BLOCK or bk & (bk - 1):
         raise ValueError(f"{_NAME}: block_k must be a power of two and a multiple of {BLOCK}, got {bk}")
@@ -239,7 +240,6 @@ def grouped_mm_nvfp4_fwd(
         raise ValueError(f"{_NAME}: packed weights need block_k a multiple of {2 * PACK_CHUNK}, got {bk}")
     max_tiles = (triton.cdiv(m, bm) + e + 1) * triton.cdiv(n, bn)  # each expert adds <= 1 partial row tile
     programs = min(config.num_sms(a_values.device) * cfg.programs_per_sm, max_tiles)
-    ptx = config.use_nvfp4_ptx_decode(a_values.device)
     op_dtype = torch.float16 if ptx else torch.float32 if config.is_interpreting() else torch.bfloat16
     if cfg.swap:  # A decoded once (exact: value * block scale), not once per column tile
         av = asc = dequantize(a_values.view(FP4), a_scales.view(E4M3), _one(a_values.device), dtype=op_dtype)

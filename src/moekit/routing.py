@@ -92,8 +92,9 @@ def router_topk_ref(logits: torch.Tensor, top_k: int, *, score_func: str = "soft
 def topk_weights_grad_ref(dw: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor,
                           renormalize: bool) -> torch.Tensor:
     """The scores' gradient (T, E) of ``router_topk_ref``'s weights (the chosen experts' scores, divided
-    by their sum when ``renormalize``), given dw (T, K) and the chosen experts (T, K) int64."""
+    by their sum when ``renormalize``), given dw (T, K) and the chosen experts (T, K) int32 or int64."""
     dw = dw.to(scores.dtype)
+    experts = experts.long()
     if renormalize:
         picked = scores.gather(1, experts)
         total = picked.sum(-1, keepdim=True)
@@ -187,8 +188,9 @@ def topk_weights_grad_fwd(dw: torch.Tensor, scores: torch.Tensor, experts: torch
 
 
 def scatter_weights_fwd(weights: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
-    """out (T*K,) fp32 with out[row_of[t, k]] = weights[t, k], in one kernel (row_of a permutation of
-    [0, T*K), so every row is written)."""
+    """out (T*K,) fp32 with out[row_of[t, k]] = weights[t, k], in one kernel. row_of must be a permutation
+    of [0, T*K), so that every row is written (not checked on the device: a negative entry is skipped
+    and leaves a row unwritten, where ``index_copy`` would raise)."""
     n = weights.numel()
     out = config.empty((n,), dtype=torch.float32, device=weights.device)
     if n:
@@ -301,9 +303,11 @@ def _(dw, scores, experts, renormalize):
 
 
 def topk_weights_grad(dw: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor, renormalize: bool):
-    """The scores' gradient of the top-k weights (``topk_weights_grad_ref``), one kernel where Triton runs."""
-    if not config.uses_triton(scores.device):
-        return topk_weights_grad_ref(dw, scores, experts.long(), renormalize)
+    """The scores' gradient of the top-k weights (``topk_weights_grad_ref``), one kernel where Triton runs.
+    While autograd records (a double backward, ``create_graph=True``) the differentiable reference runs."""
+    recording = torch.is_grad_enabled() and (dw.requires_grad or scores.requires_grad)
+    if recording or not config.uses_triton(scores.device):
+        return topk_weights_grad_ref(dw, scores, experts, renormalize)
     return _topk_weights_grad_op(dw, scores, experts, renormalize)
 
 

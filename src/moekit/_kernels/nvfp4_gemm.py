@@ -258,7 +258,7 @@ def _grouped_mm_nvfp4_kernel(
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         # W_PREFETCH: the next K step's weight bytes load while this step's decode and MMA run (the
         # software pipeline does not take loads that reach the MMA through the decode's arithmetic)
-        if W_PREFETCH:
+        if W_PREFETCH:  # (a tail tile loads one step it does not use: masking it cost registers)
             w_raw, w_sc = _load_nvfp4_raw(wv, ws, col, 0, N, K, stride_wvn, stride_wvk, stride_wsn, stride_wsk,
                                           BLOCK_N, BLOCK_K, PTX, W_PACKED)
         for ki in tl.range(tl.where(real, k_tiles, 0), num_stages=NUM_STAGES):

@@ -92,7 +92,7 @@ def _topk_weights_grad_kernel(
 
 
 @triton.jit
-def _split_bf16_kernel(w, out, N, BLOCK: tl.constexpr):  # w (N,) fp32 -> out (2N,) bf16: [hi; lo]
+def _split_bf16_kernel(w, out, N, BLOCK: tl.constexpr):  # w (E*D,) fp32 -> out (2*E*D,) bf16 [hi; lo]; N = E*D
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = idx < N
     v = tl.load(w + idx, mask=ok, other=0.0)
@@ -102,9 +102,9 @@ def _split_bf16_kernel(w, out, N, BLOCK: tl.constexpr):  # w (N,) fp32 -> out (2
 
 
 @triton.jit
-def _scatter_weights_kernel(w, row_of, out, N, BLOCK: tl.constexpr):  # w, row_of (N,); out (R,) fp32
+def _scatter_weights_kernel(w, row_of, out, R, BLOCK: tl.constexpr):  # w, row_of (R,) = (T*K,); out (R,) fp32
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = idx < N
+    ok = idx < R
     rows = tl.load(row_of + idx, mask=ok, other=0)
     v = tl.load(w + idx, mask=ok, other=0.0).to(tl.float32)
     tl.store(out + rows, v, mask=ok & (rows >= 0))
