@@ -8,7 +8,6 @@ a forward and a step (GPU queue drained), and paired do_bench times of the forwa
 
 import argparse
 import sys
-import time
 
 import torch
 
@@ -16,23 +15,13 @@ sys.path.insert(0, "abtest")
 import moekit_old  # noqa: E402
 
 import moekit  # noqa: E402
-from moekit.bench import BLOCK_SHAPES, cuda_kernels, environment, paired_ratios  # noqa: E402
+from moekit.bench import BLOCK_SHAPES, cuda_kernels, environment, host_us, paired_ratios  # noqa: E402
 from moekit.bench.moe import CONFIGS  # noqa: E402
 
 
 def block(pkg, shape):
     torch.manual_seed(0)
     return pkg.MoE(shape.d, shape.f, shape.e, shape.top_k, device="cuda", dtype=torch.bfloat16, **CONFIGS["plain"])
-
-
-def host_ms(fn, reps=20):
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[reps // 2]
 
 
 def kernels_per_step(step):
@@ -70,8 +59,9 @@ def main():
 
             fns[f"{label} fwd"], fns[f"{label} step"] = fwd, step
             step()
-            lines.append(f"  {label}: {kernels_per_step(step)} kernels per step, host {host_ms(fwd):.2f} ms per "
-                         f"forward, {host_ms(step):.2f} ms per step")
+            host_fwd, host_step = host_us(fwd, 20) / 1e3, host_us(step, 20) / 1e3
+            lines.append(f"  {label}: {kernels_per_step(step)} kernels per step, host {host_fwd:.2f} ms per forward, "
+                         f"{host_step:.2f} ms per step")
         print(f"{name} (T={shape.tokens})")
         print("\n".join(lines))
         for what in ("fwd", "step"):

@@ -10,7 +10,6 @@ and the small helpers on the way.
 import argparse
 import cProfile
 import pstats
-import time
 
 import torch
 import triton
@@ -18,24 +17,13 @@ import triton
 from moekit import config
 from moekit._kernels import hopper_gemm as hk
 from moekit._kernels.experts import _grouped_mm_swiglu_kernel
-from moekit.bench import BLOCK_SHAPES
+from moekit.bench import BLOCK_SHAPES, host_us
 from moekit.bench.moe import training_step
 from moekit.descriptors import TensorDescriptor, row_bounded, weight_descriptor
 from moekit.experts import grouped_mm_downproj, grouped_mm_swiglu, grouped_mm_swiglu_fwd
 from moekit.grouped_gemm import _ragged_m
 from moekit.hopper import WS_GROUP_M, WS_STAGES, WS_TILE, ws_desc, ws_gemm, ws_ok, ws_rows_setup
 from moekit.routing import _metadata, _router_op, sorted_weights
-
-
-def host_us(fn, reps):
-    fn()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return sorted(times)[len(times) // 2]
 
 
 def main():

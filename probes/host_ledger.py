@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moekit.bench import BLOCK_SHAPES
+from moekit.bench import BLOCK_SHAPES, host_us
 from moekit.bench.moe import training_step
 from moekit.routing import _metadata, _router_op, _split_bf16, combine, sorted_weights
 
@@ -24,16 +24,6 @@ from moekit.routing import _metadata, _router_op, _split_bf16, combine, sorted_w
 def _empty_kernel(x_ptr, n, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     tl.store(x_ptr + pid, n, mask=pid < 0)
-
-
-def host_us(fn, reps):
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return sorted(times)[len(times) // 2]
 
 
 def main():

@@ -76,6 +76,19 @@ def bench_ms(fn, *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def host_us(fn, reps: int = 30) -> float:
+    """Median microseconds the host takes to call ``fn`` with the GPU queue drained before each call
+    (the host's own time: Python, dispatch and the launches), after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return sorted(times)[len(times) // 2]
+
+
 def interleaved_ms(fns: dict, *, rounds: int = 3, rep_ms: float = 100, tolerate_errors: bool = False) -> dict:
     """Median ms per entry of ``fns`` over ``rounds`` rounds, the order rotating each round, so clock
     drift and neighbours on a shared GPU weigh on every implementation alike. With
