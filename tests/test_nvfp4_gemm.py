@@ -471,19 +471,26 @@ def test_kernel_matches_the_oracle_gpu(counts, m, k, n, ptx):
         _assert_matches_oracle(grouped_mm_nvfp4(*args, out_dtype=F32), args)
 
 
-@gpu
-@pytest.mark.parametrize("ptx", DECODES)
-@pytest.mark.parametrize("cfg", [
+# the transposed tiles on the GPU: the heuristic's at 16 rows per expert, a 64-row one, and both with
+# the weights' prefetch (the 64-row one under the heuristic's register cap)
+SWAP_TILES_GPU = [
     pytest.param(config.TileConfig(16, 128, 128, group_m=1, num_warps=4, num_stages=3, programs_per_sm=4, swap=True),
                  id="swap16-bk128"),
     pytest.param(config.TileConfig(64, 128, 64, group_m=1, num_warps=4, num_stages=3, programs_per_sm=2, swap=True),
                  id="swap64-bk64"),
-    pytest.param(config.TileConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3), id="plain128-bk32"),
-    pytest.param(config.TileConfig(64, 64, 64, group_m=4, num_warps=4, num_stages=2), id="plain64-bk64"),
     pytest.param(config.TileConfig(16, 128, 128, group_m=1, num_warps=4, num_stages=3, programs_per_sm=4, swap=True,
                                    prefetch=True), id="swap16-bk128-prefetch"),
     pytest.param(config.TileConfig(64, 128, 64, group_m=1, num_warps=4, num_stages=3, programs_per_sm=4, swap=True,
                                    max_registers=168, prefetch=True), id="swap64-capped-prefetch"),
+]
+
+
+@gpu
+@pytest.mark.parametrize("ptx", DECODES)
+@pytest.mark.parametrize("cfg", [
+    *SWAP_TILES_GPU,
+    pytest.param(config.TileConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3), id="plain128-bk32"),
+    pytest.param(config.TileConfig(64, 64, 64, group_m=4, num_warps=4, num_stages=2), id="plain64-bk64"),
 ])
 def test_pinned_tiles_gpu(cfg, ptx):
     """Pinned tiles on the GPU (the transposed ones with experts past their M tile), an empty expert and
@@ -498,15 +505,8 @@ def test_pinned_tiles_gpu(cfg, ptx):
 @pytest.mark.parametrize("ptx", DECODES)
 @pytest.mark.parametrize("cfg", [
     pytest.param(None, id="heuristic"),
-    pytest.param(config.TileConfig(16, 128, 128, group_m=1, num_warps=4, num_stages=3, programs_per_sm=4, swap=True),
-                 id="swap16-bk128"),
-    pytest.param(config.TileConfig(64, 128, 64, group_m=1, num_warps=4, num_stages=3, programs_per_sm=2, swap=True),
-                 id="swap64-bk64"),
+    *SWAP_TILES_GPU,
     pytest.param(config.TileConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3), id="plain128-bk64"),
-    pytest.param(config.TileConfig(16, 128, 128, group_m=1, num_warps=4, num_stages=3, programs_per_sm=4, swap=True,
-                                   prefetch=True), id="swap16-bk128-prefetch"),
-    pytest.param(config.TileConfig(64, 128, 64, group_m=1, num_warps=4, num_stages=3, programs_per_sm=4, swap=True,
-                                   max_registers=168, prefetch=True), id="swap64-capped-prefetch"),
 ])
 def test_packed_weights_gpu(cfg, ptx):
     """Packed weights (the word decode with ``ptx``) give the bits of the K-ordered ones on the same tile,
