@@ -21,6 +21,7 @@ from moekit.nvfp4_gemm import (
     grouped_mm_nvfp4_ref,
     pack_weights,
     unpack_weights,
+    ws_ok,
 )
 from moekit.testing import offs_from_counts
 
@@ -232,6 +233,60 @@ def test_packed_weights_give_the_same_bits(interpreter, counts, m, k, n, cfg):
     _assert_matches_oracle(got, args)
     ref = grouped_mm_nvfp4_ref(*packed, w_packed=True)
     assert torch.equal(ref.view(torch.int16), grouped_mm_nvfp4_ref(*args).view(torch.int16))
+
+
+# the warp-specialized kernel (Gluon, sm_90) has no interpreter path: compiled here for sm_90 in a child
+# process without TRITON_INTERPRET, on whatever Triton the suite runs, and checked for spills
+_WS_COMPILE = """
+import re, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from moekit._kernels.nvfp4_gemm_ws import _grouped_mm_nvfp4_ws_kernel
+bm, stages, chunks, regs = {bm}, {stages}, {chunks}, {regs}
+a_l = gl.NVMMASharedLayout.get_default_for([bm, 64], gl.float16)
+w_l = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+sig = dict(a_desc=f"tensordesc<fp16[{{bm}}, 64],{{a_l!r}}>", w_desc=f"tensordesc<u8[128, 32],{{w_l!r}}>",
+           w_scales="*i32", a_global="*fp32", w_global="*fp32", stride_wg="i32", out="*bf16", stride_out="i32",
+           table="*i32", N="i32", K="i32", NUM_PROGRAMS="constexpr", GROUP_M="constexpr", STAGES="constexpr",
+           CHUNKS="constexpr", REGS="constexpr")
+const = dict(NUM_PROGRAMS=264, GROUP_M=1, STAGES=stages, CHUNKS=chunks, REGS=regs)
+k = triton.compile(GluonASTSource(_grouped_mm_nvfp4_ws_kernel, sig, constexprs=const),
+                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=regs))
+import os, subprocess, tempfile
+path = os.path.join(tempfile.mkdtemp(), "k.cubin")
+open(path, "wb").write(k.asm["cubin"])
+tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+print(subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout)
+"""
+
+
+@pytest.mark.parametrize("bm, stages, chunks, regs", [(16, 6, 2, 104), (64, 4, 2, 160)])
+def test_warp_specialized_kernel_compiles_for_sm90(bm, stages, chunks, regs):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _WS_COMPILE.format(bm=bm, stages=stages, chunks=chunks, regs=regs)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.search(r"REG:\d+ STACK:0 SHARED:\d+ LOCAL:0 ", run.stdout), run.stdout  # no spills
+
+
+def test_warp_specialized_tile_needs_packed_weights_on_sm90(interpreter):
+    """A pinned warp-specialized tile where the kernel cannot run (here: no sm_90) is an error, the same
+    one the GPU gives for K-ordered weights."""
+    args = _operands([3, 5], 8, 128, 128)
+    packed = list(args)
+    packed[3] = pack_weights(args[3])
+    tile = config.TileConfig(16, 128, 128, group_m=1, num_warps=4, num_stages=6, programs_per_sm=2, swap=True,
+                             max_registers=104, warp_specialized=True)
+    with pytest.raises(ValueError, match="warp-specialized"):
+        grouped_mm_nvfp4_fwd(*packed, BF16, True, cfg=tile)
+    assert not ws_ok(packed[0], packed[3], packed[4], True)
+    ws = config.nvfp4_gemm_config(16 * 32, 32, torch.device("cuda"), packed=True, ptx=True, ws=True)
+    assert ws.warp_specialized and ws.block_m == 16 and ws.max_registers
 
 
 def test_packed_weights_errors(interpreter):
@@ -521,6 +576,63 @@ def test_packed_weights_gpu(cfg, ptx):
             got, want = grouped_mm_nvfp4_fwd(*packed, BF16, True, cfg=cfg), grouped_mm_nvfp4_fwd(*args, BF16, cfg=cfg)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     _assert_matches_oracle(got, args)
+
+
+def _ws_tile(block_m, chunks, stages, programs, registers):
+    return config.TileConfig(block_m, 128, 64 * chunks, group_m=1, num_warps=4, num_stages=stages,
+                             programs_per_sm=programs, swap=True, max_registers=registers, warp_specialized=True)
+
+
+# the warp-specialized kernel (sm_90, packed weights): the heuristic's tiles and a one-chunk, deep ring
+WS_TILES_GPU = [
+    pytest.param(_ws_tile(16, 2, 6, 2, 104), id="ws16-c2"),
+    pytest.param(_ws_tile(32, 2, 6, 2, 104), id="ws32-c2"),
+    pytest.param(_ws_tile(64, 2, 4, 1, 160), id="ws64-c2"),
+    pytest.param(_ws_tile(16, 1, 8, 1, 160), id="ws16-c1"),
+]
+
+# (counts, M, K, N): experts past the M tile, an empty one and tail rows; N not a multiple of the
+# 128-row weight tile (its last tile reads the next expert's rows, and past the last expert nothing);
+# one hot expert; K of one chunk (the second chunk of the stage out of bounds); a single row
+WS_CASES_GPU = [
+    pytest.param([5, 70, 0, 16, 33, 1], 140, 1088, 600, id="ragged-odd-n"),
+    pytest.param([0, 0, 0, 97], 97, 256, 136, id="one-hot"),
+    pytest.param([3, 1], 4, 64, 128, id="one-chunk"),
+    pytest.param([0, 1, 0], 1, 192, 264, id="one-row"),
+]
+
+
+@gpu
+@pytest.mark.parametrize("cfg", WS_TILES_GPU)
+@pytest.mark.parametrize("counts, m, k, n", WS_CASES_GPU)
+def test_warp_specialized_gpu(counts, m, k, n, cfg):
+    """The warp-specialized kernel against the oracle, and bit for bit against the Triton kernel's
+    transposed tile of the same rows on the K-ordered weights (the same wgmma shape and K order)."""
+    if not config.use_warp_specialized(torch.device(DEV)):
+        pytest.skip("the warp-specialized kernel needs sm_90 with Gluon")
+    args = _operands(counts, m, k, n, device=DEV)
+    packed = list(args)
+    packed[3] = pack_weights(args[3])
+    got = grouped_mm_nvfp4_fwd(*packed, BF16, True, cfg=cfg)
+    _assert_matches_oracle(got, args)
+    tri = config.TileConfig(cfg.block_m, 128, 64, group_m=1, num_warps=4, num_stages=3, programs_per_sm=2, swap=True)
+    assert torch.equal(got.view(torch.int16), grouped_mm_nvfp4_fwd(*args, BF16, cfg=tri).view(torch.int16))
+
+
+@gpu
+def test_warp_specialized_is_the_packed_default_gpu():
+    """On sm_90 the heuristic sends packed weights at <= 64 rows per expert to the warp-specialized
+    kernel, K-ordered ones to the Triton kernel, and a tile it cannot run is an error."""
+    dev = torch.device(DEV)
+    args = _operands([5, 70, 0, 16, 33, 1], 140, 1088, 640, device=DEV)
+    packed = list(args)
+    packed[3] = pack_weights(args[3])
+    ws = ws_ok(packed[0], packed[3], packed[4], True)
+    assert ws == config.use_warp_specialized(dev)
+    assert config.nvfp4_gemm_config(140, 6, dev, True, True, ws).warp_specialized == ws
+    assert not ws_ok(args[0], args[3], args[4], False)
+    with pytest.raises(ValueError, match="warp-specialized"):
+        grouped_mm_nvfp4_fwd(*args, BF16, cfg=_ws_tile(16, 2, 6, 2, 104))  # K-ordered weights
 
 
 @gpu

@@ -29,7 +29,10 @@ class TileConfig:
     GEMM) computes the tile transposed, the weights' rows as the MMA's rows; ``max_registers`` caps the
     registers per thread (Triton's ``maxnreg``), so that more programs reside on an SM's 64K registers
     at once (the NVFP4 GEMM; the grid stays ``programs_per_sm`` programs per SM); ``prefetch`` (the NVFP4
-    GEMM) loads the weights' next K step into registers while the current one is decoded and multiplied.
+    GEMM) loads the weights' next K step into registers while the current one is decoded and multiplied;
+    ``warp_specialized`` (the NVFP4 GEMM, packed weights, sm_90) runs the warp-specialized Gluon kernel
+    (``_kernels/nvfp4_gemm_ws.py``): ``block_n`` 128, ``block_k`` 64 x the chunks per ring stage,
+    ``num_stages`` the ring's depth, ``max_registers`` the consumers' registers (required).
     """
 
     block_m: int
@@ -44,6 +47,7 @@ class TileConfig:
     swap: bool = False
     max_registers: int | None = None
     prefetch: bool = False
+    warp_specialized: bool = False
 
 
 @dataclass(frozen=True)
@@ -368,12 +372,20 @@ def nvfp4_gemm_dequantizes(m: int, e: int) -> bool:
     return m > NVFP4_DECODE_ROWS * e
 
 
-def nvfp4_gemm_config(m: int, e: int, device: torch.device, packed: bool = False, ptx: bool = True) -> TileConfig:
+def nvfp4_gemm_config(m: int, e: int, device: torch.device, packed: bool = False, ptx: bool = True,
+                      ws: bool = False) -> TileConfig:
     """The tile of the NVFP4 grouped GEMM's decoding kernel (``nvfp4_gemm``) for m rows over e experts,
     at most ``NVFP4_DECODE_ROWS`` rows per expert on average (above, the launcher dequantizes instead:
     ``nvfp4_gemm_dequantizes``). BLOCK_K is a power of two and a multiple of 16 (whole scale blocks), of
     64 with ``packed`` weights (``nvfp4_gemm.pack_weights``); ``ptx``: the inline-PTX decode runs
-    (``use_nvfp4_ptx_decode``).
+    (``use_nvfp4_ptx_decode``); ``ws``: the warp-specialized kernel can run (``nvfp4_gemm.ws_ok``: packed
+    weights on sm_90).
+
+    The warp-specialized kernel (``ws``) streams the weights through a ring of shared-memory stages: two
+    64-element chunks per stage; two programs per SM at 104 registers with 6 stages for 16 and 32 rows
+    (0.184 and 0.191 ms at E = 32, K = 2880, N = 5760, against 0.188 and 0.195 for one program at 160
+    registers with four chunks), one program at 160 registers with 4 stages for 64 rows (0.226 ms
+    against 0.228 for two programs); `probes/nvfp4_ws.py`, H100, CUDA-graph replays.
 
     The transposed tile (``swap``): 128 weight rows by an M tile of 16, 32 or 64 rows, the smallest that
     holds the average expert's rows, so the GEMM decodes each weight tile about once. BLOCK_K 128, or 64
@@ -390,6 +402,11 @@ def nvfp4_gemm_config(m: int, e: int, device: torch.device, packed: bool = False
     if device.type != "cuda":
         return dataclasses.replace(_NVFP4_INTERPRETER_CONFIG, block_k=64) if packed else _NVFP4_INTERPRETER_CONFIG
     block_m = 16 if m <= 16 * e else 32 if m <= 32 * e else 64
+    if ws:
+        two = block_m <= 32
+        return TileConfig(block_m=block_m, block_n=128, block_k=128, group_m=1, num_warps=4,
+                          num_stages=6 if two else 4, programs_per_sm=2 if two else 1, swap=True,
+                          max_registers=104 if two else 160, warp_specialized=True)
     return TileConfig(block_m=block_m, block_n=128, block_k=128 if block_m <= 32 else 64, group_m=1,
                       num_warps=4, num_stages=3, programs_per_sm=4, swap=True,
                       max_registers=168 if block_m == 64 else None,

@@ -215,6 +215,50 @@ def _dequantized_mm(a_values, a_scales, a_global, w_values, w_scales, w_global, 
     return _ragged_m(a, w.mT, offs, out_dtype, None, group_scale=scale)
 
 
+def ws_ok(a_values, w_values, w_scales, w_packed: bool) -> bool:
+    """Whether the warp-specialized Hopper kernel (``_kernels/nvfp4_gemm_ws.py``) can run: sm_90 with
+    Gluon and the PTX decode, packed weights, and scales it can read as 32-bit words (contiguous, K a
+    multiple of 64, 4-byte aligned)."""
+    return (w_packed and config.use_warp_specialized(a_values.device)
+            and config.use_nvfp4_ptx_decode(a_values.device)
+            and w_scales.is_contiguous() and w_scales.storage_offset() % 4 == 0
+            and w_values.shape[2] % PACK_CHUNK == 0)
+
+
+def _ws_mm(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out, cfg: config.TileConfig):
+    """The warp-specialized kernel into ``out`` (M, N) on inputs that ``ws_ok`` takes, M, N, K > 0: A
+    decoded once to f16 beforehand (exact), the packed weights and their scale words streamed through
+    a ring of ``cfg.num_stages`` shared-memory stages of ``cfg.block_k / 64`` chunks; tiles of 128
+    weight rows by ``cfg.block_m`` (16, 32 or 64) expert rows."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    from ._kernels import hopper_gemm as hk  # Gluon: imported only where it runs
+    from ._kernels.nvfp4_gemm_ws import _grouped_mm_nvfp4_ws_kernel
+
+    (m, half), (e, n, _) = a_values.shape, w_values.shape
+    k, bm = 2 * half, cfg.block_m
+    av = dequantize(a_values.view(FP4), a_scales.view(E4M3), _one(a_values.device), dtype=torch.float16)
+    a_desc = GluonDescriptor(av, [m, k], [k, 1], [bm, 64], gl.NVMMASharedLayout.get_default_for([bm, 64], gl.float16))
+    wv = w_values.view(torch.uint8).reshape(e * n, half)
+    w_desc = GluonDescriptor(wv, [e * n, half], [half, 1], [128, 32],
+                             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))
+    ws = w_scales.view(torch.uint8).reshape(e * n, k // BLOCK).view(torch.int32)
+    max_row_tiles = triton.cdiv(m, bm) + e
+    table = torch.empty(4 * (max_row_tiles + 1), dtype=torch.int32, device=a_values.device)
+    hk._tile_table_kernel[(max(triton.cdiv(max_row_tiles, 32), 8),)](  # also zeroes the rows past offs[-1]
+        offs, table, out, out, m, n, 0, e, out.stride(0), out.stride(0), max_row_tiles,
+        BLOCK_M=bm, BLOCK_E=triton.next_power_of_2(e + 1), BLOCK_T=32, BLOCK_Z=32, num_warps=4,
+    )
+    programs = config.num_sms(a_values.device) * cfg.programs_per_sm
+    _grouped_mm_nvfp4_ws_kernel[(min(programs, max_row_tiles * triton.cdiv(n, 128)),)](
+        a_desc, w_desc, ws, a_global, w_global, w_global.stride(0), out, out.stride(0), table, n, k,
+        NUM_PROGRAMS=programs, GROUP_M=1, STAGES=cfg.num_stages, CHUNKS=cfg.block_k // 64,
+        REGS=cfg.max_registers, num_warps=4, maxnreg=cfg.max_registers,
+    )
+    return out
+
+
 def grouped_mm_nvfp4_fwd(
     a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out_dtype, w_packed: bool = False,
     cfg: config.TileConfig | None = None,
@@ -232,8 +276,14 @@ def grouped_mm_nvfp4_fwd(
     if cfg is None and config.nvfp4_gemm_dequantizes(m, e):
         return _dequantized_mm(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out_dtype, w_packed)
     ptx = config.use_nvfp4_ptx_decode(a_values.device)
-    cfg = cfg or config.nvfp4_gemm_config(m, e, a_values.device, w_packed, ptx)
+    ws = ws_ok(a_values, w_values, w_scales, w_packed)
+    cfg = cfg or config.nvfp4_gemm_config(m, e, a_values.device, w_packed, ptx, ws)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    if cfg.warp_specialized:
+        if not ws or bn != 128 or bk % 64 or bm not in (16, 32, 64) or not cfg.max_registers:
+            raise ValueError(f"{_NAME}: the warp-specialized kernel needs packed weights on sm_90 and a tile of "
+                             f"16, 32 or 64 rows by 128 with block_k a multiple of 64 and max_registers, got {cfg}")
+        return _ws_mm(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out, cfg)
     if bk % BLOCK or bk & (bk - 1):
         raise ValueError(f"{_NAME}: block_k must be a power of two and a multiple of {BLOCK}, got {bk}")
     if w_packed and bk % (2 * PACK_CHUNK):

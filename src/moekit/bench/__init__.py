@@ -76,6 +76,15 @@ def bench_ms(fn, *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def graph_ms(fn, *, rep_ms: float = 100) -> float:
+    """Median milliseconds per call of ``fn`` replayed from a CUDA graph (GPU): the kernels' time without
+    the host's (Python, checks, descriptors, launches), which eager calls of a sub-millisecond op can
+    exceed. ``fn`` must be capturable (no host sync)."""
+    import triton
+
+    return float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
+
+
 def host_us(fn, reps: int = 30) -> float:
     """Median microseconds the host takes to call ``fn`` with the GPU queue drained before each call
     (the host's own time: Python, dispatch and the launches), after one warm-up call."""
