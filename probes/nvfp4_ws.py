@@ -105,7 +105,12 @@ def main():
         tri = grouped_mm_nvfp4_fwd(*args, True, cfg=tri_cfg)
         t_bf16 = bench(functools.partial(moekit.grouped_mm, x, w, offs))
         t_tri = bench(functools.partial(grouped_mm_nvfp4_fwd, *args, True, cfg=tri_cfg))
-        t_op = bench(functools.partial(moekit.grouped_mm_nvfp4, *args[:7], w_packed=True))
+        op = functools.partial(moekit.grouped_mm_nvfp4, *args[:7], w_packed=True)
+        t_op = bench(op)
+        from moekit.bench import bench_ms, host_us
+        tri_op = functools.partial(grouped_mm_nvfp4_fwd, *args, True, cfg=tri_cfg)
+        print(f"  eager (do_bench) ms: the op {bench_ms(op):.3f}, Triton {bench_ms(tri_op):.3f}; host us per call: "
+              f"the op {host_us(op):.0f}, Triton {host_us(tri_op):.0f}")
         print(f"\n{rows} rows per expert: bf16 {t_bf16:.3f} ms, Triton NVFP4 {t_tri:.3f} ms ({t_bf16 / t_tri:.2f}x),"
               f" the op (heuristic) {t_op:.3f} ms ({t_bf16 / t_op:.2f}x),"
               f" Triton vs ref max err {(tri.float() - ref).abs().max().item():.3e}")

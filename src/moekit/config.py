@@ -381,11 +381,13 @@ def nvfp4_gemm_config(m: int, e: int, device: torch.device, packed: bool = False
     (``use_nvfp4_ptx_decode``); ``ws``: the warp-specialized kernel can run (``nvfp4_gemm.ws_ok``: packed
     weights on sm_90).
 
-    The warp-specialized kernel (``ws``) streams the weights through a ring of shared-memory stages: two
-    64-element chunks per stage; two programs per SM at 104 registers with 6 stages for 16 and 32 rows
-    (0.184 and 0.191 ms at E = 32, K = 2880, N = 5760, against 0.188 and 0.195 for one program at 160
-    registers with four chunks), one program at 160 registers with 4 stages for 64 rows (0.226 ms
-    against 0.228 for two programs); `probes/nvfp4_ws.py`, H100, CUDA-graph replays.
+    The warp-specialized kernel (``ws``) streams the weights through a ring of shared-memory stages of
+    64-element chunks. For 16 and 32 rows: two programs per SM at 104 registers, four chunks per stage
+    and 3 stages (0.172-0.176 and 0.190-0.191 ms at E = 32, K = 2880, N = 5760; two chunks and 6 stages
+    0.184 and 0.191; eight chunks 0.180 and 0.191; one program at 160 registers 0.174-0.188 and
+    0.192-0.195); for 64 rows one program at 160 registers,
+    two chunks, 4 stages (0.213-0.226 ms; two programs 0.228). `probes/nvfp4_ws.py`, H100, CUDA-graph
+    replays.
 
     The transposed tile (``swap``): 128 weight rows by an M tile of 16, 32 or 64 rows, the smallest that
     holds the average expert's rows, so the GEMM decodes each weight tile about once. BLOCK_K 128, or 64
@@ -403,9 +405,9 @@ def nvfp4_gemm_config(m: int, e: int, device: torch.device, packed: bool = False
         return dataclasses.replace(_NVFP4_INTERPRETER_CONFIG, block_k=64) if packed else _NVFP4_INTERPRETER_CONFIG
     block_m = 16 if m <= 16 * e else 32 if m <= 32 * e else 64
     if ws:
-        two = block_m <= 32
-        return TileConfig(block_m=block_m, block_n=128, block_k=128, group_m=1, num_warps=4,
-                          num_stages=6 if two else 4, programs_per_sm=2 if two else 1, swap=True,
+        two = block_m <= 32  # two programs per SM (their rings fit shared memory together)
+        return TileConfig(block_m=block_m, block_n=128, block_k=256 if two else 128, group_m=1, num_warps=4,
+                          num_stages=3 if two else 4, programs_per_sm=2 if two else 1, swap=True,
                           max_registers=104 if two else 160, warp_specialized=True)
     return TileConfig(block_m=block_m, block_n=128, block_k=128 if block_m <= 32 else 64, group_m=1,
                       num_warps=4, num_stages=3, programs_per_sm=4, swap=True,

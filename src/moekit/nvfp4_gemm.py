@@ -20,6 +20,8 @@ E experts.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -225,12 +227,22 @@ def ws_ok(a_values, w_values, w_scales, w_packed: bool) -> bool:
             and w_values.shape[2] % PACK_CHUNK == 0)
 
 
+@functools.cache
+def _ws_layouts(block_m: int):
+    """The shared-memory layouts of the warp-specialized kernel's TMA boxes (built once: each costs host
+    time): the f16 activations' [block_m, 64] box, 128-byte swizzle, and the weight bytes' [128, 32]
+    box, unswizzled."""
+    from triton.experimental.gluon import language as gl
+
+    return (gl.NVMMASharedLayout.get_default_for([block_m, 64], gl.float16),
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))
+
+
 def _ws_mm(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out, cfg: config.TileConfig):
     """The warp-specialized kernel into ``out`` (M, N) on inputs that ``ws_ok`` takes, M, N, K > 0: A
     decoded once to f16 beforehand (exact), the packed weights and their scale words streamed through
     a ring of ``cfg.num_stages`` shared-memory stages of ``cfg.block_k / 64`` chunks; tiles of 128
     weight rows by ``cfg.block_m`` (16, 32 or 64) expert rows."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
     from ._kernels import hopper_gemm as hk  # Gluon: imported only where it runs
@@ -239,10 +251,10 @@ def _ws_mm(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out
     (m, half), (e, n, _) = a_values.shape, w_values.shape
     k, bm = 2 * half, cfg.block_m
     av = dequantize(a_values.view(FP4), a_scales.view(E4M3), _one(a_values.device), dtype=torch.float16)
-    a_desc = GluonDescriptor(av, [m, k], [k, 1], [bm, 64], gl.NVMMASharedLayout.get_default_for([bm, 64], gl.float16))
+    a_layout, w_layout = _ws_layouts(bm)
+    a_desc = GluonDescriptor(av, [m, k], [k, 1], [bm, 64], a_layout)
     wv = w_values.view(torch.uint8).reshape(e * n, half)
-    w_desc = GluonDescriptor(wv, [e * n, half], [half, 1], [128, 32],
-                             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))
+    w_desc = GluonDescriptor(wv, [e * n, half], [half, 1], [128, 32], w_layout)
     ws = w_scales.view(torch.uint8).reshape(e * n, k // BLOCK).view(torch.int32)
     max_row_tiles = triton.cdiv(m, bm) + e
     table = torch.empty(4 * (max_row_tiles + 1), dtype=torch.int32, device=a_values.device)

@@ -50,14 +50,15 @@ CHUNK = gl.constexpr(64)  # elements per packed chunk (32 bytes, 8 words, 4 scal
 # One packed word ($8) and the two e4m3 scales of its blocks ($9: block 2j in the low byte, block
 # 2j + 1 in the next) -> the word's 8 elements in f16 ($0-$7, byte by byte, the low nibble first),
 # each e2m1 value times its block scale (exact). _kernels/nvfp4_gemm.py's _E2M1_WORD_F16, with the
-# scales converted inside: one cvt turns the pair into an f16x2, two prmt broadcast each half.
+# scales converted inside: one cvt turns the pair into an f16x2, each half broadcast to a pair.
 _E2M1_WORD_SCALED_F16 = gl.constexpr("""{
 .reg .b32 m, mh, h0, h1, p0, p1, p2, p3, v4, g, ta, tb, sab, sa, sb;
-.reg .b16 t;
+.reg .b16 t, slo, shi;
 cvt.u16.u32 t, $9;
 cvt.rn.f16x2.e4m3x2 sab, t;
-prmt.b32 sa, sab, 0, 0x1010;
-prmt.b32 sb, sab, 0, 0x3232;
+mov.b32 {slo, shi}, sab;
+mov.b32 sa, {slo, slo};
+mov.b32 sb, {shi, shi};
 mov.b32 ta, 0x3E3C3800;
 mov.b32 tb, 0x46444240;
 and.b32 m, $8, 0x77777777;
