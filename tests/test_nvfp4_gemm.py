@@ -424,6 +424,33 @@ def test_ptx_word_decode_on_every_byte_in_every_position():
             assert np.array_equal(np.signbit(got), np.signbit(want.numpy())), (pos, b, got)
 
 
+def test_ptx_two_word_decode_on_every_byte_in_every_position():
+    """``_E2M1_2WORDS_SCALED_F16`` (the warp-specialized kernel): each byte of either word decodes to its
+    two elements times its block's scale from the shared scale word (word j, byte p: block 2j + p // 2),
+    bit for bit, signs and -0 included, for every byte value in every position beside random
+    neighbours and random scale codes (finite, subnormal and zero)."""
+    from moekit._kernels import nvfp4_gemm_ws
+
+    gen = np.random.default_rng(2)
+    codes = [0x00, 0x01, 0x07, 0x38, 0x7E, 0x80, 0xB9, 0xFE]
+    value = {c: float(torch.tensor([c], dtype=U8).view(E4M3).float()) for c in codes}
+    for j in range(2):
+        for pos in range(4):
+            for b in range(256):
+                words = [[int(x) for x in gen.integers(0, 256, 4)] for _ in range(2)]
+                words[j][pos] = b
+                sc = [int(x) for x in gen.choice(codes, 4)]
+                r = _run_ptx(nvfp4_gemm_ws._E2M1_2WORDS_SCALED_F16.value,
+                             {"$16": sum(x << 8 * i for i, x in enumerate(words[0])),
+                              "$17": sum(x << 8 * i for i, x in enumerate(words[1])),
+                              "$18": sum(x << 8 * i for i, x in enumerate(sc))})
+                out = 8 * j + 2 * pos
+                got = _f16x2(r[f"${out}"] | r[f"${out + 1}"] << 16)
+                want = _E2M1[[b & 15, b >> 4]] * value[sc[2 * j + pos // 2]]
+                assert np.array_equal(got.astype(np.float64), want.numpy()), (j, pos, b, got, want)
+                assert np.array_equal(np.signbit(got), np.signbit(want.numpy())), (j, pos, b, got)
+
+
 # --------------------------------------------------------------------------------------------------
 # errors: the same type and message from the reference, the kernel path and the reference option
 # --------------------------------------------------------------------------------------------------

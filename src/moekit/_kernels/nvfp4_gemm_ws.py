@@ -15,7 +15,7 @@ one expert, from the row-tile table of ``hopper_gemm._tile_table_kernel``):
   scales, one 64-element chunk, per 32-bit word) by ``cp.async``: the scales' row stride, K / 16
   bytes, is not the 16-byte multiple that a TMA descriptor needs (K = 2880: 180);
 * two consumer warpgroups, 64 weight rows each, load their bytes from the stage in the layout of the
-  wgmma's register operand, decode them to f16 (``_E2M1_WORD_SCALED_F16``), and run the wgmma with
+  wgmma's register operand, decode them to f16 (``_E2M1_2WORDS_SCALED_F16``), and run the wgmma with
   the weights from registers and the activations from shared memory (the tile transposed: the
   weights' rows are the MMA's M, the expert's rows its N).
 
@@ -47,37 +47,42 @@ from .hopper_gemm import _advance, _tile_clamped
 ROWS_W = gl.constexpr(128)  # weight rows per tile: two consumer warpgroups of 64
 CHUNK = gl.constexpr(64)  # elements per packed chunk (32 bytes, 8 words, 4 scale blocks)
 
-# One packed word ($8) and the two e4m3 scales of its blocks ($9: block 2j in the low byte, block
-# 2j + 1 in the next) -> the word's 8 elements in f16 ($0-$7, byte by byte, the low nibble first),
-# each e2m1 value times its block scale (exact). _kernels/nvfp4_gemm.py's _E2M1_WORD_F16, with the
-# scales converted inside: one cvt turns the pair into an f16x2, each half broadcast to a pair.
-_E2M1_WORD_SCALED_F16 = gl.constexpr("""{
-.reg .b32 m, mh, h0, h1, p0, p1, p2, p3, v4, g, ta, tb, sab, sa, sb;
-.reg .b16 t, slo, shi;
-cvt.u16.u32 t, $9;
-cvt.rn.f16x2.e4m3x2 sab, t;
-mov.b32 {slo, shi}, sab;
-mov.b32 sa, {slo, slo};
-mov.b32 sb, {shi, shi};
+# Two packed words of a row ($16: j = 0, $17: j = 1) and the row's scale word ($18: the e4m3 scales of
+# blocks 0-3 of the chunk, block 0 in the low byte) -> the words' 16 elements in f16 ($0-$7 from word 0,
+# $8-$15 from word 1, byte by byte, the low nibble first), each e2m1 value times its block scale
+# (exact). Word j holds bytes of blocks 2j and 2j + 1, so one scale word serves both: two cvt turn its
+# halves into f16 pairs. Per word (eight codes c0-c7, code i in bits 4i..4i+3, its sign bit 4i+3):
+# - the magnitudes (signs masked off) select the f16 high bytes of 0, 0.5, 1, 1.5, 2, 3, 4, 6 from an
+#   8-byte table, four codes per prmt (h0: c0-c3, h1: c4-c7; the low bytes are 0 in f16);
+# - the signs: a prmt gathers the bytes of {w << 4, w} whose top bits are the signs of c0..c3 (and
+#   c4..c7: byte i's bit 7 is code i's sign) and a lop3 ors those bits into h;
+# - a prmt per pair spreads two high bytes into an f16 pair, and a packed multiply applies the block
+#   scale (an operand select of the scale's f16 half).
+_E2M1_2WORDS_SCALED_F16 = gl.constexpr("""{
+.reg .b32 m, mh, h0, h1, g0, g1, p0, p1, p2, p3, v4, ta, tb, sa, sb, s01, s23;
+.reg .b16 t0, t1, s0, s1, s2, s3;
+mov.b32 {t0, t1}, $18;
+cvt.rn.f16x2.e4m3x2 s01, t0;
+cvt.rn.f16x2.e4m3x2 s23, t1;
+mov.b32 {s0, s1}, s01;
+mov.b32 {s2, s3}, s23;
 mov.b32 ta, 0x3E3C3800;
 mov.b32 tb, 0x46444240;
-and.b32 m, $8, 0x77777777;
+and.b32 m, $16, 0x77777777;
 shr.b32 mh, m, 16;
 prmt.b32 h0, ta, tb, m;
 prmt.b32 h1, ta, tb, mh;
+shl.b32 v4, $16, 4;
+prmt.b32 g0, v4, $16, 0x5140;
+prmt.b32 g1, v4, $16, 0x7362;
+lop3.b32 h0, h0, g0, 0x80808080, 0xf8;
+lop3.b32 h1, h1, g1, 0x80808080, 0xf8;
 prmt.b32 p0, h0, 0, 0x1404;
 prmt.b32 p1, h0, 0, 0x3424;
 prmt.b32 p2, h1, 0, 0x1404;
 prmt.b32 p3, h1, 0, 0x3424;
-shl.b32 v4, $8, 4;
-prmt.b32 g, v4, $8, 0x4000;
-lop3.b32 p0, p0, g, 0x80008000, 0xf8;
-prmt.b32 g, v4, $8, 0x5010;
-lop3.b32 p1, p1, g, 0x80008000, 0xf8;
-prmt.b32 g, v4, $8, 0x6020;
-lop3.b32 p2, p2, g, 0x80008000, 0xf8;
-prmt.b32 g, v4, $8, 0x7030;
-lop3.b32 p3, p3, g, 0x80008000, 0xf8;
+mov.b32 sa, {s0, s0};
+mov.b32 sb, {s1, s1};
 mul.rn.f16x2 p0, p0, sa;
 mul.rn.f16x2 p1, p1, sa;
 mul.rn.f16x2 p2, p2, sb;
@@ -86,24 +91,50 @@ mov.b32 {$0, $1}, p0;
 mov.b32 {$2, $3}, p1;
 mov.b32 {$4, $5}, p2;
 mov.b32 {$6, $7}, p3;
+and.b32 m, $17, 0x77777777;
+shr.b32 mh, m, 16;
+prmt.b32 h0, ta, tb, m;
+prmt.b32 h1, ta, tb, mh;
+shl.b32 v4, $17, 4;
+prmt.b32 g0, v4, $17, 0x5140;
+prmt.b32 g1, v4, $17, 0x7362;
+lop3.b32 h0, h0, g0, 0x80808080, 0xf8;
+lop3.b32 h1, h1, g1, 0x80808080, 0xf8;
+prmt.b32 p0, h0, 0, 0x1404;
+prmt.b32 p1, h0, 0, 0x3424;
+prmt.b32 p2, h1, 0, 0x1404;
+prmt.b32 p3, h1, 0, 0x3424;
+mov.b32 sa, {s2, s2};
+mov.b32 sb, {s3, s3};
+mul.rn.f16x2 p0, p0, sa;
+mul.rn.f16x2 p1, p1, sa;
+mul.rn.f16x2 p2, p2, sb;
+mul.rn.f16x2 p3, p3, sb;
+mov.b32 {$8, $9}, p0;
+mov.b32 {$10, $11}, p1;
+mov.b32 {$12, $13}, p2;
+mov.b32 {$14, $15}, p3;
 }""")
 
 
+_E2M1_2WORDS_CONSTRAINTS = gl.constexpr(",".join(["=h"] * 16) + ",r,r,r")
+
+
 @gluon.jit
-def _decode_chunk(words, scale_words, dot_layout: gl.constexpr, WL: gl.constexpr):
-    """One chunk of a consumer's 64 weight rows: words [64, 8] int32 in WL (``_ws_mma_partition``) and the rows'
-    scale words [64] (four e4m3 codes, blocks 0-3 of the chunk) -> the decoded [64, 64] f16 tile in
-    the wgmma's register-operand layout."""
-    shift = (gl.arange(0, 8, layout=gl.SliceLayout(0, WL)) % 2) * 16  # word 2t + j: blocks 2j, 2j + 1
-    pair = (gl.expand_dims(scale_words, 1) >> gl.expand_dims(shift, 0)) & 0xFFFF
-    o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
-        _E2M1_WORD_SCALED_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, pair], dtype=(gl.float16,) * 8,
-        is_pure=True, pack=1)
-    # [64, 8 (t, j), e, h, gg]: each join adds a last dim; word byte 2 gg + h holds elements 2t + e of
-    # half h of block 2j + gg, i.e. element 32j + 16gg + 8h + 2t + e of the chunk
-    x = gl.join(gl.join(gl.join(o0, o1), gl.join(o2, o3)), gl.join(gl.join(o4, o5), gl.join(o6, o7)))
-    x = gl.reshape(x, [64, 4, 2, 2, 2, 2])  # [row, t, j, e, h, gg]
-    x = gl.permute(x, [0, 2, 5, 4, 1, 3])  # [row, j, gg, h, t, e]
+def _decode_chunk(words, scale_words, dot_layout: gl.constexpr):
+    """One chunk of a consumer's 64 weight rows: words [64, 4 (t), 2 (j)] int32 (word 2t + j of each row,
+    j in registers) and the rows' scale words [64, 1] (four e4m3 codes, blocks 0-3 of the chunk) -> the
+    decoded [64, 64] f16 tile in the wgmma's register-operand layout."""
+    w0, w1 = gl.split(words)
+    o = gl.inline_asm_elementwise(
+        _E2M1_2WORDS_SCALED_F16, _E2M1_2WORDS_CONSTRAINTS, [w0, w1, scale_words],
+        dtype=(gl.float16,) * 16, is_pure=True, pack=1)
+    # per word j: [64, 4 (t), e, h, gg] (each join adds a last dim); word byte 2 gg + h holds elements
+    # 2t + e of half h of block 2j + gg, i.e. element 32j + 16gg + 8h + 2t + e of the chunk
+    x0 = gl.join(gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3])), gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7])))
+    x1 = gl.join(gl.join(gl.join(o[8], o[9]), gl.join(o[10], o[11])),
+                 gl.join(gl.join(o[12], o[13]), gl.join(o[14], o[15])))
+    x = gl.permute(gl.join(x0, x1), [0, 5, 4, 3, 1, 2])  # [row, t, e, h, gg, j] -> [row, j, gg, h, t, e]
     x = gl.reshape(x, [64, CHUNK])
     return gl.convert_layout(x, dot_layout, assert_trivial=True)
 
@@ -115,9 +146,10 @@ def _load_chunk(w_bufs, s_bufs, idx, c: gl.constexpr, CONSUMER: gl.constexpr, CH
     memory, decoded (``_decode_chunk``)."""
     word_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     wbox = w_bufs.index(idx * CHUNKS + c)._reinterpret(gl.int32, [ROWS_W, 8], word_smem)
-    words = wbox.slice(CONSUMER * 64, 64, dim=0).load(WL)
-    sw = s_bufs.index((idx * CHUNKS + c) * 2 + CONSUMER).load(gl.SliceLayout(1, WL))
-    return _decode_chunk(words, sw, dot_layout, WL)
+    words = gl.reshape(wbox.slice(CONSUMER * 64, 64, dim=0).load(WL), [64, 4, 2])  # [row, t, j]
+    L3: gl.constexpr = words.type.layout
+    sw = s_bufs.index((idx * CHUNKS + c) * 2 + CONSUMER).load(gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+    return _decode_chunk(words, gl.expand_dims(sw, 1), dot_layout)
 
 
 @gluon.jit
