@@ -184,9 +184,19 @@ def test_any_strides(interpreter):
 # --------------------------------------------------------------------------------------------------
 
 
+def _signs_packed(word: int) -> int:
+    """A 32-bit word of eight codes in K order -> with pack_weights's sign bits: code k's sign from bit
+    4k + 3 to bit 8k + 7 (k < 4) or 8(k - 4) + 3 (bit loops, not the package's)."""
+    out = word & 0x77777777
+    for k in range(8):
+        out |= ((word >> (4 * k + 3)) & 1) << (8 * k + 7 if k < 4 else 8 * (k - 4) + 3)
+    return out
+
+
 def test_pack_weights_moves_each_byte_where_the_docstring_says():
-    """Byte 8g + 4h + t of every 32-byte chunk goes to 8t + 2g + h (loops, not the package's reshape);
-    unpack inverts; shape, dtype and device kept; the output is contiguous even from a strided input."""
+    """Byte 8g + 4h + t of every 32-byte chunk goes to 8t + 2g + h, then each 32-bit word's sign bits
+    move (loops, not the package's reshape); unpack inverts; shape, dtype and device kept; the output is
+    contiguous even from a strided input."""
     w = torch.randint(0, 256, (3, 5, 96), dtype=U8)[:, :, :64]  # K = 128, a non-contiguous view
     packed = pack_weights(w.view(FP4))
     assert packed.dtype == FP4 and packed.shape == w.shape and packed.is_contiguous()
@@ -196,6 +206,9 @@ def test_pack_weights_moves_each_byte_where_the_docstring_says():
             for h in range(2):
                 for t in range(4):
                     want[..., 32 * c + 8 * t + 2 * g + h] = w[..., 32 * c + 8 * g + 4 * h + t]
+    flat = want.reshape(-1, 4).tolist()
+    words = [_signs_packed(sum(x << 8 * i for i, x in enumerate(q))) for q in flat]
+    want = torch.tensor([[(x >> 8 * i) & 0xFF for i in range(4)] for x in words], dtype=U8).view(want.shape)
     assert torch.equal(packed.view(U8), want)
     assert torch.equal(unpack_weights(packed).view(U8), w)
     assert torch.equal(unpack_weights(pack_weights(w)), w)  # uint8 in, uint8 out
@@ -404,9 +417,9 @@ def test_ptx_decode_on_every_byte_and_scale_code():
 
 
 def test_ptx_word_decode_on_every_byte_in_every_position():
-    """``_E2M1_WORD_F16`` (packed weights): each of the four bytes of a word decodes to its two elements
-    times its block's scale ($9 for bytes 0-1, $10 for bytes 2-3), bit for bit, for every byte value in
-    every position beside random neighbours."""
+    """``_E2M1_WORD_F16`` (packed weights, the signs moved as ``pack_weights`` moves them): each of the four
+    bytes of a word decodes to its two elements times its block's scale ($9 for bytes 0-1, $10 for bytes
+    2-3), bit for bit, for every byte value in every position beside random neighbours."""
     gen = np.random.default_rng(1)
     codes = [0x00, 0x01, 0x38, 0x7E, 0x80, 0xB9, 0xFE]  # zero, the smallest subnormal, 1, 448, -0, ...
     scale = {c: _run_ptx(kernels._E4M3_F16.value, {"$1": c})["$0"] for c in codes}
@@ -417,7 +430,8 @@ def test_ptx_word_decode_on_every_byte_in_every_position():
             word[pos] = b
             c0, c1 = (int(x) for x in gen.choice(codes, 2))
             r = _run_ptx(kernels._E2M1_WORD_F16.value,
-                         {"$8": sum(x << 8 * i for i, x in enumerate(word)), "$9": scale[c0], "$10": scale[c1]})
+                         {"$8": _signs_packed(sum(x << 8 * i for i, x in enumerate(word))), "$9": scale[c0],
+                          "$10": scale[c1]})
             got = _f16x2(r[f"${2 * pos}"] | r[f"${2 * pos + 1}"] << 16)
             want = _E2M1[[b & 15, b >> 4]] * value[c0 if pos < 2 else c1]
             assert np.array_equal(got.astype(np.float64), want.numpy()), (pos, b, got, want)
@@ -441,8 +455,8 @@ def test_ptx_two_word_decode_on_every_byte_in_every_position():
                 words[j][pos] = b
                 sc = [int(x) for x in gen.choice(codes, 4)]
                 r = _run_ptx(nvfp4_gemm_ws._E2M1_2WORDS_SCALED_F16.value,
-                             {"$16": sum(x << 8 * i for i, x in enumerate(words[0])),
-                              "$17": sum(x << 8 * i for i, x in enumerate(words[1])),
+                             {"$16": _signs_packed(sum(x << 8 * i for i, x in enumerate(words[0]))),
+                              "$17": _signs_packed(sum(x << 8 * i for i, x in enumerate(words[1]))),
                               "$18": sum(x << 8 * i for i, x in enumerate(sc))})
                 out = 8 * j + 2 * pos
                 got = _f16x2(r[f"${out}"] | r[f"${out + 1}"] << 16)

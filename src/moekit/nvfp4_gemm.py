@@ -115,28 +115,53 @@ def _check_packable(w_values, name: str) -> None:
 # --------------------------------------------------------------------------------------------------
 
 PACK_CHUNK = 32  # bytes (64 elements, four scale blocks) per permuted chunk of a row
+# The sign bits of a packed 32-bit word: code k (bits 4k..4k+3 of the word) keeps its magnitude in bits
+# 4k..4k+2 and has its sign moved from bit 4k+3 to SIGN_BITS[k]: the signs of codes 0-3 to the top bits
+# of bytes 0-3, those of codes 4-7 to bit 3 of bytes 0-3.
+K_ORDER_SIGN_BITS = (3, 7, 11, 15, 19, 23, 27, 31)
+PACKED_SIGN_BITS = (7, 15, 23, 31, 3, 11, 19, 27)
+
+
+def _move_signs(b: torch.Tensor, src: tuple, dst: tuple) -> torch.Tensor:
+    """uint8 codes (..., K / 2), contiguous, read as 32-bit words: each word's sign bits moved from bits
+    ``src[k]`` to ``dst[k]``, the magnitudes kept."""
+    b = b.contiguous()
+    if b.storage_offset() % 4:  # a word view needs 4-byte alignment
+        b = b.clone()
+    w = b.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    out = w & 0x77777777
+    for k in range(8):
+        out |= ((w >> src[k]) & 1) << dst[k]
+    return (out - ((out >> 31) << 32)).to(torch.int32).view(torch.uint8)  # the low 32 bits, as int32
 
 
 def pack_weights(w_values: torch.Tensor) -> torch.Tensor:
-    """NVFP4 weight codes (..., N, K / 2) ``float4_e2m1fn_x2`` (or uint8) -> the same bytes in the order the
-    GEMM's Hopper kernel reads fastest, contiguous, same shape and dtype; K a multiple of 64.
+    """NVFP4 weight codes (..., N, K / 2) ``float4_e2m1fn_x2`` (or uint8) -> the same codes in the order
+    the GEMM's Hopper kernels read fastest, contiguous, same shape and dtype; K a multiple of 64.
 
-    Within each 32-byte chunk of a row (64 elements, four scale blocks), byte ``8g + 4h + t`` (block g,
-    its half h, t in 0-3) moves to ``8t + 2g + h``. In the wgmma register layout that the decoded
-    weights feed, thread t of a quad holds bytes t and t + 4 of every block; after packing they are 8
-    consecutive bytes, which the kernel loads as two 32-bit words and decodes four bytes at a time
-    (``grouped_mm_nvfp4(..., w_packed=True)``). Pure PyTorch, any device; ``unpack_weights`` inverts it.
-    The scales keep their layout."""
+    Two steps, on each row:
+
+    - the bytes: within each 32-byte chunk (64 elements, four scale blocks), byte ``8g + 4h + t`` (block
+      g, its half h, t in 0-3) moves to ``8t + 2g + h``. In the wgmma register layout that the decoded
+      weights feed, thread t of a quad holds bytes t and t + 4 of every block; after packing they are
+      8 consecutive bytes, which the kernels load as two 32-bit words;
+    - the signs: in each 32-bit word (eight codes, code k in bits 4k..4k+3) the sign of code k moves
+      from bit 4k + 3 to ``PACKED_SIGN_BITS[k]`` (codes 0-3: the top bit of bytes 0-3; codes 4-7: bit
+      3 of bytes 0-3), so that the decode ors them straight into the table lookups of codes 0-3 and
+      4-7 (``_kernels/nvfp4_gemm_ws.py``).
+
+    Pure PyTorch, any device; ``unpack_weights`` inverts it. The scales keep their layout."""
     _check_pack_k(w_values, "pack_weights")
     b = w_values.view(torch.uint8)
     chunks = b.unflatten(-1, (-1, 4, 2, 4))  # (..., chunk, g, h, t)
-    return chunks.permute(*range(b.dim() - 1), -4, -1, -3, -2).contiguous().flatten(-4).view(w_values.dtype)
+    b = chunks.permute(*range(b.dim() - 1), -4, -1, -3, -2).contiguous().flatten(-4)
+    return _move_signs(b, K_ORDER_SIGN_BITS, PACKED_SIGN_BITS).view(w_values.dtype)
 
 
 def unpack_weights(w_values: torch.Tensor) -> torch.Tensor:
     """The inverse of ``pack_weights``: packed codes (..., N, K / 2) -> the K-ordered codes, contiguous."""
     _check_pack_k(w_values, "unpack_weights")
-    b = w_values.view(torch.uint8)
+    b = _move_signs(w_values.view(torch.uint8), PACKED_SIGN_BITS, K_ORDER_SIGN_BITS)
     chunks = b.unflatten(-1, (-1, 4, 4, 2))  # (..., chunk, t, g, h)
     return chunks.permute(*range(b.dim() - 1), -4, -2, -1, -3).contiguous().flatten(-4).view(w_values.dtype)
 

@@ -51,8 +51,20 @@ def _with_sign(v, negative):
 
 @triton.jit
 def _packed_to_k_order(b, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """A [BLOCK_R, BLOCK_C] tile of code bytes in ``nvfp4_gemm.pack_weights``'s order -> K order
-    (BLOCK_C a multiple of 32): byte 8t + 2g + h of each 32-byte chunk is byte 8g + 4h + t."""
+    """A [BLOCK_R, BLOCK_C] tile of code bytes (int32, 0-255) in ``nvfp4_gemm.pack_weights``'s order -> K
+    order (BLOCK_C a multiple of 32). First the signs, per 32-bit word (bytes 4i..4i+3): the sign of
+    code k (bits 4k..4k+3 of the word) goes back to bit 4k + 3 from bit 7 of byte k (k < 4) or bit 3 of
+    byte k - 4; then the bytes: byte 8t + 2g + h of each 32-byte chunk is byte 8g + 4h + t."""
+    q = tl.reshape(b, [BLOCK_R, BLOCK_C // 4, 2, 2])  # [row, word, byte // 2, byte % 2]
+    q02, q13 = tl.split(q)  # bytes 0, 2 and 1, 3 of each word: [row, word, 2]
+    q0, q2 = tl.split(q02)
+    q1, q3 = tl.split(q13)
+    # byte j of the word in K order holds codes 2j and 2j + 1: magnitudes in place, signs gathered
+    o0 = (q0 & 0x77) | ((q0 >> 4) & 0x08) | (q1 & 0x80)
+    o1 = (q1 & 0x77) | ((q2 >> 4) & 0x08) | (q3 & 0x80)
+    o2 = (q2 & 0x77) | (q0 & 0x08) | ((q1 << 4) & 0x80)
+    o3 = (q3 & 0x77) | (q2 & 0x08) | ((q3 << 4) & 0x80)
+    b = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), [BLOCK_R, BLOCK_C])  # [.., j // 2, j % 2]
     return tl.reshape(tl.permute(tl.reshape(b, [BLOCK_R, BLOCK_C // 32, 4, 4, 2]), [0, 1, 3, 4, 2]),
                       [BLOCK_R, BLOCK_C])
 

@@ -65,30 +65,26 @@ mov.b32 {$0, $1}, p;
 # Packed weights (``PACKED``; ``nvfp4_gemm.pack_weights``): one 32-bit word ($8) per asm instance, the
 # four bytes a thread of the wgmma register layout needs from two 16-element blocks (its elements 2t,
 # 2t+1 and 2t+8, 2t+9 of each), -> those 8 elements in f16 ($0-$7, two per byte, the low nibble
-# first). $9 and $10 are the two blocks' scales in f16. The same steps as the byte decode above, four
-# bytes at a time where a word allows: one mask, two table lookups (four magnitudes each), then per
-# byte a prmt to spread its pair, a prmt + lop3 for its signs and a packed multiply.
+# first). $9 and $10 are the two blocks' scales in f16. The magnitudes (signs masked off) select f16
+# high bytes from the table, four codes per prmt (h0: codes 0-3, h1: codes 4-7); the packed order
+# keeps the signs of codes 0-3 in the top bits of the word's bytes and those of codes 4-7 in bit 3,
+# so a lop3 ors them into h0 (and, shifted by 4, into h1); a prmt per byte spreads its pair into f16
+# and a packed multiply applies the scale.
 _E2M1_WORD_F16 = tl.constexpr("""{
-.reg .b32 m, mh, h0, h1, p0, p1, p2, p3, v4, g, ta, tb, sa, sb;
+.reg .b32 m, mh, h0, h1, p0, p1, p2, p3, v4, ta, tb, sa, sb;
 mov.b32 ta, 0x3E3C3800;
 mov.b32 tb, 0x46444240;
 and.b32 m, $8, 0x77777777;
 shr.b32 mh, m, 16;
 prmt.b32 h0, ta, tb, m;
 prmt.b32 h1, ta, tb, mh;
+shl.b32 v4, $8, 4;
+lop3.b32 h0, h0, $8, 0x80808080, 0xf8;
+lop3.b32 h1, h1, v4, 0x80808080, 0xf8;
 prmt.b32 p0, h0, 0, 0x1404;
 prmt.b32 p1, h0, 0, 0x3424;
 prmt.b32 p2, h1, 0, 0x1404;
 prmt.b32 p3, h1, 0, 0x3424;
-shl.b32 v4, $8, 4;
-prmt.b32 g, v4, $8, 0x4000;
-lop3.b32 p0, p0, g, 0x80008000, 0xf8;
-prmt.b32 g, v4, $8, 0x5010;
-lop3.b32 p1, p1, g, 0x80008000, 0xf8;
-prmt.b32 g, v4, $8, 0x6020;
-lop3.b32 p2, p2, g, 0x80008000, 0xf8;
-prmt.b32 g, v4, $8, 0x7030;
-lop3.b32 p3, p3, g, 0x80008000, 0xf8;
 mov.b32 sa, {$9, $9};
 mov.b32 sb, {$10, $10};
 mul.rn.f16x2 p0, p0, sa;

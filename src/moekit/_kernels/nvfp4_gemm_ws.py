@@ -51,15 +51,16 @@ CHUNK = gl.constexpr(64)  # elements per packed chunk (32 bytes, 8 words, 4 scal
 # blocks 0-3 of the chunk, block 0 in the low byte) -> the words' 16 elements in f16 ($0-$7 from word 0,
 # $8-$15 from word 1, byte by byte, the low nibble first), each e2m1 value times its block scale
 # (exact). Word j holds bytes of blocks 2j and 2j + 1, so one scale word serves both: two cvt turn its
-# halves into f16 pairs. Per word (eight codes c0-c7, code i in bits 4i..4i+3, its sign bit 4i+3):
+# halves into f16 pairs. Per word (eight codes c0-c7, the magnitude of code i in bits 4i..4i+2):
 # - the magnitudes (signs masked off) select the f16 high bytes of 0, 0.5, 1, 1.5, 2, 3, 4, 6 from an
 #   8-byte table, four codes per prmt (h0: c0-c3, h1: c4-c7; the low bytes are 0 in f16);
-# - the signs: a prmt gathers the bytes of {w << 4, w} whose top bits are the signs of c0..c3 (and
-#   c4..c7: byte i's bit 7 is code i's sign) and a lop3 ors those bits into h;
+# - the signs: the packed order keeps the signs of c0-c3 in the top bits of the word's bytes and those
+#   of c4-c7 in bit 3 (``nvfp4_gemm.pack_weights``), so a lop3 ors them into h0 (and, the word shifted
+#   by 4, into h1);
 # - a prmt per pair spreads two high bytes into an f16 pair, and a packed multiply applies the block
 #   scale (an operand select of the scale's f16 half).
 _E2M1_2WORDS_SCALED_F16 = gl.constexpr("""{
-.reg .b32 m, mh, h0, h1, g0, g1, p0, p1, p2, p3, v4, ta, tb, sa, sb, s01, s23;
+.reg .b32 m, mh, h0, h1, p0, p1, p2, p3, v4, ta, tb, sa, sb, s01, s23;
 .reg .b16 t0, t1, s0, s1, s2, s3;
 mov.b32 {t0, t1}, $18;
 cvt.rn.f16x2.e4m3x2 s01, t0;
@@ -73,10 +74,8 @@ shr.b32 mh, m, 16;
 prmt.b32 h0, ta, tb, m;
 prmt.b32 h1, ta, tb, mh;
 shl.b32 v4, $16, 4;
-prmt.b32 g0, v4, $16, 0x5140;
-prmt.b32 g1, v4, $16, 0x7362;
-lop3.b32 h0, h0, g0, 0x80808080, 0xf8;
-lop3.b32 h1, h1, g1, 0x80808080, 0xf8;
+lop3.b32 h0, h0, $16, 0x80808080, 0xf8;
+lop3.b32 h1, h1, v4, 0x80808080, 0xf8;
 prmt.b32 p0, h0, 0, 0x1404;
 prmt.b32 p1, h0, 0, 0x3424;
 prmt.b32 p2, h1, 0, 0x1404;
@@ -96,10 +95,8 @@ shr.b32 mh, m, 16;
 prmt.b32 h0, ta, tb, m;
 prmt.b32 h1, ta, tb, mh;
 shl.b32 v4, $17, 4;
-prmt.b32 g0, v4, $17, 0x5140;
-prmt.b32 g1, v4, $17, 0x7362;
-lop3.b32 h0, h0, g0, 0x80808080, 0xf8;
-lop3.b32 h1, h1, g1, 0x80808080, 0xf8;
+lop3.b32 h0, h0, $17, 0x80808080, 0xf8;
+lop3.b32 h1, h1, v4, 0x80808080, 0xf8;
 prmt.b32 p0, h0, 0, 0x1404;
 prmt.b32 p1, h0, 0, 0x3424;
 prmt.b32 p2, h1, 0, 0x1404;
