@@ -498,7 +498,7 @@ def quantize_fwd(x3: torch.Tensor, gscale: torch.Tensor, per_group: bool, block_
 def dequantize_fwd(v3: torch.Tensor, s3: torch.Tensor, gscale: torch.Tensor, per_group: bool,
                    dtype: torch.dtype, packed: bool = False) -> torch.Tensor:
     """v3 (G, R, K / 2), s3 (G, R, K / 16) uint8, any strides; gscale as in ``quantize_fwd`` -> (G * R, K).
-    ``packed``: v3 in ``nvfp4_gemm.pack_weights``'s byte order (K % 64 == 0)."""
+    ``packed``: v3 in ``nvfp4_gemm.pack_weights``'s order (K % 64 == 0)."""
     groups, r, half = v3.shape
     k = 2 * half
     out = config.empty((groups * r, k), dtype=dtype, device=v3.device)

@@ -407,8 +407,9 @@ def grouped_mm_nvfp4(
       by the host; out-of-range values are clamped as in ``grouped_mm``).
 
     ``w_packed=True``: ``w_values`` comes from ``pack_weights`` (K a multiple of 64, contiguous), whose
-    byte order the Hopper kernel reads with word loads and decodes four bytes at a time; pack the
-    weights once and reuse them. Otherwise any strides are accepted.
+    order the Hopper kernels read with word loads and decode a word at a time (on sm_90 the
+    warp-specialized kernel, ``_kernels/nvfp4_gemm_ws.py``); pack the weights once and reuse them.
+    Otherwise any strides are accepted.
 
     Numerics: ``e2m1 * e4m3`` products are exact in f16 and bf16, so the result is
     ``sum_K (a value * a scale) * (w value * w scale)`` accumulated in fp32, times

@@ -281,7 +281,7 @@ def _dequantize_kernel(
     stride_vg, stride_vr, stride_vk, stride_sg, stride_sr, stride_sk,
     G_STRIDE,  # as in _quantize_kernel
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    PACKED: tl.constexpr = False,  # values in nvfp4_gemm.pack_weights's byte order (BLOCK_K % 64 == 0)
+    PACKED: tl.constexpr = False,  # values in nvfp4_gemm.pack_weights's order (BLOCK_K % 64 == 0)
 ):
     pid_m, pid_k, gi = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NB: tl.constexpr = BLOCK_K // 16

@@ -232,7 +232,7 @@ def _grouped_mm_nvfp4_kernel(
     GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
     OP_DTYPE: tl.constexpr,  # f16 with PTX; else bf16 on a GPU, fp32 on the interpreter (its bf16 tl.dot is wrong)
     PTX: tl.constexpr,  # the inline-PTX decode (sm_89 and newer)
-    W_PACKED: tl.constexpr,  # w_values in nvfp4_gemm.pack_weights's byte order (contiguous, K % 64 == 0)
+    W_PACKED: tl.constexpr,  # w_values in nvfp4_gemm.pack_weights's order (contiguous, K % 64 == 0)
     SWAP: tl.constexpr, A_DECODED: tl.constexpr, NUM_STAGES: tl.constexpr,
     W_PREFETCH: tl.constexpr,  # the weights' next K step loaded a step ahead, in registers
 ):

@@ -28,7 +28,8 @@ quad of the wgmma layout holds elements 2t, 2t + 1 (register 0 or 1 by row) and 
 into one word: word w = 2t + j of a 64-element chunk holds bytes t and t + 4 of blocks 2j and 2j + 1.
 A thread's two words per chunk and row are 8 consecutive bytes, one 64-bit shared load, and the
 decoded f16 values land in the operand's registers with no data movement (``convert_layout`` is
-asserted trivial).
+asserted trivial). Within each word it also moves the codes' sign bits beside the table bytes they
+belong to (``_E2M1_2WORDS_SCALED_F16``).
 """
 
 from triton.experimental import gluon
