@@ -6,8 +6,8 @@ through shared memory instead of registers: ``out[rows_g] = (a[rows_g] @ w[g]^T)
 w_global[g]``, a the activations already decoded to f16 (value * block scale, exact), w the packed
 e2m1 codes (``nvfp4_gemm.pack_weights``) with their e4m3 block scales.
 
-The schedule (one persistent program per SM, tiles of 128 weight rows by BLOCK_M activation rows of
-one expert, from the row-tile table of ``hopper_gemm._tile_table_kernel``):
+The schedule (persistent programs, one or two per SM, over tiles of 128 weight rows by BLOCK_M
+activation rows of one expert, from the row-tile table of ``hopper_gemm._tile_table_kernel``):
 
 * a loader warp streams each K step's boxes into a ring of STAGES stages: CHUNKS weight boxes of
   [128, 32] bytes (64 elements per row, unswizzled: the consumers read them with their own layout)
