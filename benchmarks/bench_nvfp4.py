@@ -18,7 +18,7 @@ import functools
 import torch
 
 import moekit
-from moekit import config, nvfp4
+from moekit import config, nvfp4, nvfp4_gemm
 from moekit.bench import bench_ms, copy_bandwidth_gbs, environment, graph_ms
 from moekit.nvfp4_gemm import pack_weights
 
@@ -71,16 +71,17 @@ def main():
         wv, ws_, wg = nvfp4.quantize_weights(w)
         wp = pack_weights(wv)
         t_bf16 = graph_ms(lambda q=(a, w, o): moekit.grouped_mm(*q))
-        variants = ((True, True, True, "packed weights, warp-specialized kernel"),
+        ws = nvfp4_gemm.ws_ok(av, wp, ws_, True)  # sm_90: the warp-specialized kernel takes packed weights
+        variants = ((True, True, True, f"packed weights, {'warp-specialized' if ws else 'Triton'} kernel"),
                     (True, True, False, "PTX decode, packed weights"), (True, False, True, "PTX decode"),
                     (False, False, True, "Triton-op decode"))
         if config.nvfp4_gemm_dequantizes(mm, e):  # the decode does not run: both operands go to bf16 first
             variants = ((True, True, True, "dequantized to bf16, packed weights"),
                         (True, False, True, "dequantized to bf16"))
-        for ptx, packed, ws, decode in variants:
+        for ptx, packed, ws_on, decode in variants:
             call = functools.partial(moekit.grouped_mm_nvfp4, av, as_, ag, wp if packed else wv, ws_, wg, o,
                                      w_packed=packed)
-            with moekit.options(nvfp4_ptx_decode=ptx, warp_specialized=ws):
+            with moekit.options(nvfp4_ptx_decode=ptx, warp_specialized=ws_on):
                 t_fp4, t_eager = graph_ms(call), bench_ms(call)
             print(f"| grouped_mm_nvfp4 ({decode}) | E={e} K={d} N={2 * f}, {rows_per_expert} rows/expert | "
                   f"{t_fp4:.3f} | {t_bf16:.3f} | {t_bf16 / t_fp4:.2f} | {t_eager:.3f} |")

@@ -274,8 +274,9 @@ print(subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", path], cap
 """
 
 
-@pytest.mark.parametrize("bm, stages, chunks, regs", [(16, 6, 2, 104), (64, 4, 2, 160)])
+@pytest.mark.parametrize("bm, stages, chunks, regs", [(16, 3, 4, 104), (32, 3, 4, 104), (64, 4, 2, 160)])
 def test_warp_specialized_kernel_compiles_for_sm90(bm, stages, chunks, regs):
+    """The heuristic's three tiles (``config.nvfp4_gemm_config(..., ws=True)``)."""
     import os
     import subprocess
     import sys
@@ -624,11 +625,14 @@ def _ws_tile(block_m, chunks, stages, programs, registers):
                              programs_per_sm=programs, swap=True, max_registers=registers, warp_specialized=True)
 
 
-# the warp-specialized kernel (sm_90, packed weights): the heuristic's tiles and a one-chunk, deep ring
+# the warp-specialized kernel (sm_90, packed weights): the heuristic's tiles (16 and 32 rows: four chunks
+# per stage, 3 stages, two programs per SM; 64 rows: two chunks, 4 stages, one program), two chunks in
+# a deeper ring, and one chunk per stage
 WS_TILES_GPU = [
-    pytest.param(_ws_tile(16, 2, 6, 2, 104), id="ws16-c2"),
-    pytest.param(_ws_tile(32, 2, 6, 2, 104), id="ws32-c2"),
+    pytest.param(_ws_tile(16, 4, 3, 2, 104), id="ws16-c4"),
+    pytest.param(_ws_tile(32, 4, 3, 2, 104), id="ws32-c4"),
     pytest.param(_ws_tile(64, 2, 4, 1, 160), id="ws64-c2"),
+    pytest.param(_ws_tile(16, 2, 6, 2, 104), id="ws16-c2"),
     pytest.param(_ws_tile(16, 1, 8, 1, 160), id="ws16-c1"),
 ]
 
@@ -661,17 +665,27 @@ def test_warp_specialized_gpu(counts, m, k, n, cfg):
 
 
 @gpu
-def test_warp_specialized_is_the_packed_default_gpu():
-    """On sm_90 the heuristic sends packed weights at <= 64 rows per expert to the warp-specialized
-    kernel, K-ordered ones to the Triton kernel, and a tile it cannot run is an error."""
-    dev = torch.device(DEV)
+def test_warp_specialized_is_the_packed_default_gpu(monkeypatch):
+    """On sm_90 the public op sends packed weights at <= 64 rows per expert to the warp-specialized
+    kernel (and not K-ordered ones, nor packed ones with the option off), and a warp-specialized tile
+    on K-ordered weights is an error."""
+    from moekit import nvfp4_gemm
+
+    if not config.use_warp_specialized(torch.device(DEV)):
+        pytest.skip("the warp-specialized kernel needs sm_90 with Gluon")
+    calls = []
+    real = nvfp4_gemm._ws_mm
+    monkeypatch.setattr(nvfp4_gemm, "_ws_mm", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
     args = _operands([5, 70, 0, 16, 33, 1], 140, 1088, 640, device=DEV)
     packed = list(args)
     packed[3] = pack_weights(args[3])
-    ws = ws_ok(packed[0], packed[3], packed[4], True)
-    assert ws == config.use_warp_specialized(dev)
-    assert config.nvfp4_gemm_config(140, 6, dev, True, True, ws).warp_specialized == ws
-    assert not ws_ok(args[0], args[3], args[4], False)
+    got = grouped_mm_nvfp4(*packed, w_packed=True)
+    assert len(calls) == 1 and calls[0].warp_specialized and calls[0].block_m == 32
+    _assert_matches_oracle(got, args)
+    grouped_mm_nvfp4(*args)
+    with moekit.options(warp_specialized=False):
+        grouped_mm_nvfp4(*packed, w_packed=True)
+    assert len(calls) == 1
     with pytest.raises(ValueError, match="warp-specialized"):
         grouped_mm_nvfp4_fwd(*args, BF16, cfg=_ws_tile(16, 2, 6, 2, 104))  # K-ordered weights
 

@@ -221,8 +221,9 @@ def use_tma(device: torch.device) -> bool:
 
 
 def use_warp_specialized(device: torch.device) -> bool:
-    """The warp-specialized Gluon kernels (``_kernels/hopper_gemm.py``) on Hopper (sm_90), where they
-    are the default for the bf16 GEMMs they cover; off with the ``warp_specialized`` option."""
+    """The warp-specialized Gluon kernels on Hopper (sm_90): ``_kernels/hopper_gemm.py``, the default there
+    for the bf16 GEMMs they cover, and ``_kernels/nvfp4_gemm_ws.py``, the NVFP4 GEMM's default for
+    packed weights; off with the ``warp_specialized`` option."""
     if not _options.warp_specialized or device.type != "cuda" or not use_tma(device):
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -383,11 +384,12 @@ def nvfp4_gemm_config(m: int, e: int, device: torch.device, packed: bool = False
 
     The warp-specialized kernel (``ws``) streams the weights through a ring of shared-memory stages of
     64-element chunks. For 16 and 32 rows: two programs per SM at 104 registers, four chunks per stage
-    and 3 stages (0.172-0.176 and 0.190-0.191 ms at E = 32, K = 2880, N = 5760; two chunks and 6 stages
-    0.184 and 0.191; eight chunks 0.180 and 0.191; one program at 160 registers 0.174-0.188 and
-    0.192-0.195); for 64 rows one program at 160 registers,
-    two chunks, 4 stages (0.213-0.226 ms; two programs 0.228). `probes/nvfp4_ws.py`, H100, CUDA-graph
-    replays.
+    and 3 stages (0.141-0.145 and 0.157-0.161 ms at E = 32, K = 2880, N = 5760; at 32 rows two stages
+    of four chunks 0.177, of eight 0.160, three of eight 0.157, one program at 160 registers with 3 or
+    4 stages of four chunks 0.163 and 0.157); for 64 rows one program at 160 registers, two chunks, 4
+    stages (0.192-0.203 ms; four chunks with 3 or 4 stages 0.206 and 0.203, two programs at 104
+    registers with two stages of four or eight chunks 0.214 and 0.203). `probes/nvfp4_ws.py`, H100,
+    CUDA-graph replays.
 
     The transposed tile (``swap``): 128 weight rows by an M tile of 16, 32 or 64 rows, the smallest that
     holds the average expert's rows, so the GEMM decodes each weight tile about once. BLOCK_K 128, or 64

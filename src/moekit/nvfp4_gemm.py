@@ -1,15 +1,18 @@
 """``grouped_mm_nvfp4``: the rows-ragged (2D x 3D) grouped GEMM on NVFP4 operands, forward only.
 
-Reads as: reference (``grouped_mm_nvfp4_ref``) -> kernel (``_kernels/nvfp4_gemm.py``) -> launcher
-(``grouped_mm_nvfp4_fwd``) -> custom op ``moekit::grouped_mm_nvfp4`` with a fake -> public
-``grouped_mm_nvfp4``. No autograd: the op is a forward GEMM (inference, or the forward pass of an
-NVFP4 training step whose backward runs elsewhere); its inputs are integer-coded and carry no gradient.
+Reads as: reference (``grouped_mm_nvfp4_ref``) -> kernels (``_kernels/nvfp4_gemm.py``, and
+``_kernels/nvfp4_gemm_ws.py`` on sm_90) -> launcher (``grouped_mm_nvfp4_fwd``) -> custom op
+``moekit::grouped_mm_nvfp4`` with a fake -> public ``grouped_mm_nvfp4``. No autograd: the op is a
+forward GEMM (inference, or the forward pass of an NVFP4 training step whose backward runs elsewhere);
+its inputs are integer-coded and carry no gradient.
 
-Hopper has no FP4 tensor cores, so the kernel emulates them: it reads the packed operands (a quarter
+Hopper has no FP4 tensor cores, so the kernels emulate them: it reads the packed operands (a quarter
 of bf16's bytes, plus 1/16 for the scales), decodes them exactly to f16 in registers (inline PTX, sm_89
-and newer; bf16 elsewhere) and runs ``tl.dot`` with fp32 accumulation (why the decode is exact:
-``_kernels/nvfp4_gemm.py``). With few rows per expert (the transposed tile) the rows are decoded once
-beforehand and only the weights in the kernel. With many rows per expert (above
+and newer; bf16 elsewhere) and multiplies on the tensor cores with fp32 accumulation (why the decode is
+exact: ``_kernels/nvfp4_gemm.py``). With few rows per expert (the transposed tile) the rows are decoded
+once beforehand and only the weights in the kernel: on sm_90 with packed weights
+(``pack_weights``) a warp-specialized Gluon kernel streams them through shared memory
+(``_kernels/nvfp4_gemm_ws.py``), elsewhere the Triton kernel loads them into registers. With many rows per expert (above
 ``config.NVFP4_DECODE_ROWS`` on average) the GEMM is compute-bound and decoding in the main loop
 would repeat each decode per tile: both operands are dequantized to bf16 first (exact) and the bf16
 rows-ragged GEMM applies the global scales to its fp32 accumulator.
@@ -116,23 +119,27 @@ def _check_packable(w_values, name: str) -> None:
 
 PACK_CHUNK = 32  # bytes (64 elements, four scale blocks) per permuted chunk of a row
 # The sign bits of a packed 32-bit word: code k (bits 4k..4k+3 of the word) keeps its magnitude in bits
-# 4k..4k+2 and has its sign moved from bit 4k+3 to SIGN_BITS[k]: the signs of codes 0-3 to the top bits
-# of bytes 0-3, those of codes 4-7 to bit 3 of bytes 0-3.
+# 4k..4k+2 and has its sign moved from bit 4k+3 (K_ORDER_SIGN_BITS[k]) to PACKED_SIGN_BITS[k]: the signs
+# of codes 0-3 to the top bits of bytes 0-3, those of codes 4-7 to bit 3 of bytes 0-3.
 K_ORDER_SIGN_BITS = (3, 7, 11, 15, 19, 23, 27, 31)
 PACKED_SIGN_BITS = (7, 15, 23, 31, 3, 11, 19, 27)
 
 
 def _move_signs(b: torch.Tensor, src: tuple, dst: tuple) -> torch.Tensor:
-    """uint8 codes (..., K / 2), contiguous, read as 32-bit words: each word's sign bits moved from bits
-    ``src[k]`` to ``dst[k]``, the magnitudes kept."""
+    """uint8 codes (..., K / 2), read as 32-bit words: each word's sign bits moved from bits ``src[k]`` to
+    ``dst[k]``, the magnitudes kept. In int32, two temporaries the size of the codes."""
     b = b.contiguous()
     if b.storage_offset() % 4:  # a word view needs 4-byte alignment
         b = b.clone()
-    w = b.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    w = b.view(torch.int32)
     out = w & 0x77777777
-    for k in range(8):
-        out |= ((w >> src[k]) & 1) << dst[k]
-    return (out - ((out >> 31) << 32)).to(torch.int32).view(torch.uint8)  # the low 32 bits, as int32
+    bit = torch.empty_like(w)
+    for k in range(8):  # (an arithmetic shift: the mask keeps the one bit)
+        torch.bitwise_right_shift(w, src[k], out=bit)
+        bit &= 1
+        bit <<= dst[k]
+        out |= bit
+    return out.view(torch.uint8)
 
 
 def pack_weights(w_values: torch.Tensor) -> torch.Tensor:
@@ -311,7 +318,8 @@ def grouped_mm_nvfp4_fwd(
 ) -> torch.Tensor:
     """Launch the kernel on validated inputs; float4 / float8 tensors or their uint8 views (any strides,
     the output's column stride 1; packed weights contiguous). ``cfg`` pins a tile (tests); BLOCK_K must
-    be a power of two >= 16, and a multiple of 64 with packed weights."""
+    be a power of two >= 16, and a multiple of 64 with packed weights (for a warp-specialized tile, a
+    positive multiple of 64: 64 per chunk of a ring stage)."""
     (m, half), (e, n, _) = a_values.shape, w_values.shape
     k = 2 * half
     out = config.empty((m, n), dtype=out_dtype, device=a_values.device)
@@ -326,9 +334,10 @@ def grouped_mm_nvfp4_fwd(
     cfg = cfg or config.nvfp4_gemm_config(m, e, a_values.device, w_packed, ptx, ws)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     if cfg.warp_specialized:
-        if not ws or bn != 128 or bk % 64 or bm not in (16, 32, 64) or not cfg.max_registers:
-            raise ValueError(f"{_NAME}: the warp-specialized kernel needs packed weights on sm_90 and a tile of "
-                             f"16, 32 or 64 rows by 128 with block_k a multiple of 64 and max_registers, got {cfg}")
+        if not ws or bn != 128 or bk < 64 or bk % 64 or bm not in (16, 32, 64) or not cfg.max_registers:
+            raise ValueError(f"{_NAME}: the warp-specialized kernel needs sm_90 with the PTX decode, packed weights "
+                             f"with contiguous 4-byte-aligned scales, and a tile of 16, 32 or 64 rows by 128 with "
+                             f"block_k a positive multiple of 64 and max_registers; got {cfg}")
         return _ws_mm(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out, cfg)
     if bk % BLOCK or bk & (bk - 1):
         raise ValueError(f"{_NAME}: block_k must be a power of two and a multiple of {BLOCK}, got {bk}")

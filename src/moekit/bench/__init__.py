@@ -79,7 +79,9 @@ def bench_ms(fn, *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
 def graph_ms(fn, *, rep_ms: float = 100) -> float:
     """Median milliseconds per call of ``fn`` replayed from a CUDA graph (GPU): the kernels' time without
     the host's (Python, checks, descriptors, launches), which eager calls of a sub-millisecond op can
-    exceed. ``fn`` must be capturable (no host sync)."""
+    exceed. ``fn`` must be capturable (no host sync). On CPU, ``bench_ms``."""
+    if not torch.cuda.is_available():
+        return bench_ms(fn, rep_ms=rep_ms)
     import triton
 
     return float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
