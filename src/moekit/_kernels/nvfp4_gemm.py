@@ -62,6 +62,41 @@ mul.rn.f16x2 p, p, sc;
 mov.b32 {$0, $1}, p;
 }""")
 
+def _word_decode_ptx(word: str, sa: str, sb: str, out: int) -> str:
+    """The PTX lines that decode one packed word (``word``, in ``pack_weights``'s order) into its 8
+    elements in f16, written to the asm outputs ``$out`` .. ``$out+7``; ``sa`` and ``sb`` are the f16
+    scales of the word's two blocks. Needs the registers m, mh, h0, h1, p0-p3, v4, sa, sb and the table
+    halves ta, tb (``_E2M1_TABLE``) declared. Shared by this kernel and the warp-specialized one."""
+    return f"""and.b32 m, {word}, 0x77777777;
+shr.b32 mh, m, 16;
+prmt.b32 h0, ta, tb, m;
+prmt.b32 h1, ta, tb, mh;
+shl.b32 v4, {word}, 4;
+lop3.b32 h0, h0, {word}, 0x80808080, 0xf8;
+lop3.b32 h1, h1, v4, 0x80808080, 0xf8;
+prmt.b32 p0, h0, 0, 0x1404;
+prmt.b32 p1, h0, 0, 0x3424;
+prmt.b32 p2, h1, 0, 0x1404;
+prmt.b32 p3, h1, 0, 0x3424;
+mov.b32 sa, {{{sa}, {sa}}};
+mov.b32 sb, {{{sb}, {sb}}};
+mul.rn.f16x2 p0, p0, sa;
+mul.rn.f16x2 p1, p1, sa;
+mul.rn.f16x2 p2, p2, sb;
+mul.rn.f16x2 p3, p3, sb;
+mov.b32 {{${out}, ${out + 1}}}, p0;
+mov.b32 {{${out + 2}, ${out + 3}}}, p1;
+mov.b32 {{${out + 4}, ${out + 5}}}, p2;
+mov.b32 {{${out + 6}, ${out + 7}}}, p3;
+"""
+
+
+# the f16 high bytes of the e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (their low bytes are 0), as prmt's
+# 8-byte table
+_E2M1_TABLE = """mov.b32 ta, 0x3E3C3800;
+mov.b32 tb, 0x46444240;
+"""
+
 # Packed weights (``PACKED``; ``nvfp4_gemm.pack_weights``): one 32-bit word ($8) per asm instance, the
 # four bytes a thread of the wgmma register layout needs from two 16-element blocks (its elements 2t,
 # 2t+1 and 2t+8, 2t+9 of each), -> those 8 elements in f16 ($0-$7, two per byte, the low nibble
@@ -72,30 +107,7 @@ mov.b32 {$0, $1}, p;
 # and a packed multiply applies the scale.
 _E2M1_WORD_F16 = tl.constexpr("""{
 .reg .b32 m, mh, h0, h1, p0, p1, p2, p3, v4, ta, tb, sa, sb;
-mov.b32 ta, 0x3E3C3800;
-mov.b32 tb, 0x46444240;
-and.b32 m, $8, 0x77777777;
-shr.b32 mh, m, 16;
-prmt.b32 h0, ta, tb, m;
-prmt.b32 h1, ta, tb, mh;
-shl.b32 v4, $8, 4;
-lop3.b32 h0, h0, $8, 0x80808080, 0xf8;
-lop3.b32 h1, h1, v4, 0x80808080, 0xf8;
-prmt.b32 p0, h0, 0, 0x1404;
-prmt.b32 p1, h0, 0, 0x3424;
-prmt.b32 p2, h1, 0, 0x1404;
-prmt.b32 p3, h1, 0, 0x3424;
-mov.b32 sa, {$9, $9};
-mov.b32 sb, {$10, $10};
-mul.rn.f16x2 p0, p0, sa;
-mul.rn.f16x2 p1, p1, sa;
-mul.rn.f16x2 p2, p2, sb;
-mul.rn.f16x2 p3, p3, sb;
-mov.b32 {$0, $1}, p0;
-mov.b32 {$2, $3}, p1;
-mov.b32 {$4, $5}, p2;
-mov.b32 {$6, $7}, p3;
-}""")
+""" + _E2M1_TABLE + _word_decode_ptx("$8", "$9", "$10", 0) + "}")
 
 # An e4m3 scale code (the low byte of $1) as f16, exact (every e4m3 value is an f16 normal or 0; the
 # NaN code 0x7F stays NaN).

@@ -44,6 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .hopper_gemm import _advance, _tile_clamped
+from .nvfp4_gemm import _E2M1_TABLE, _word_decode_ptx
 
 ROWS_W = gl.constexpr(128)  # weight rows per tile: two consumer warpgroups of 64
 CHUNK = gl.constexpr(64)  # elements per packed chunk (32 bytes, 8 words, 4 scale blocks)
@@ -68,51 +69,7 @@ cvt.rn.f16x2.e4m3x2 s01, t0;
 cvt.rn.f16x2.e4m3x2 s23, t1;
 mov.b32 {s0, s1}, s01;
 mov.b32 {s2, s3}, s23;
-mov.b32 ta, 0x3E3C3800;
-mov.b32 tb, 0x46444240;
-and.b32 m, $16, 0x77777777;
-shr.b32 mh, m, 16;
-prmt.b32 h0, ta, tb, m;
-prmt.b32 h1, ta, tb, mh;
-shl.b32 v4, $16, 4;
-lop3.b32 h0, h0, $16, 0x80808080, 0xf8;
-lop3.b32 h1, h1, v4, 0x80808080, 0xf8;
-prmt.b32 p0, h0, 0, 0x1404;
-prmt.b32 p1, h0, 0, 0x3424;
-prmt.b32 p2, h1, 0, 0x1404;
-prmt.b32 p3, h1, 0, 0x3424;
-mov.b32 sa, {s0, s0};
-mov.b32 sb, {s1, s1};
-mul.rn.f16x2 p0, p0, sa;
-mul.rn.f16x2 p1, p1, sa;
-mul.rn.f16x2 p2, p2, sb;
-mul.rn.f16x2 p3, p3, sb;
-mov.b32 {$0, $1}, p0;
-mov.b32 {$2, $3}, p1;
-mov.b32 {$4, $5}, p2;
-mov.b32 {$6, $7}, p3;
-and.b32 m, $17, 0x77777777;
-shr.b32 mh, m, 16;
-prmt.b32 h0, ta, tb, m;
-prmt.b32 h1, ta, tb, mh;
-shl.b32 v4, $17, 4;
-lop3.b32 h0, h0, $17, 0x80808080, 0xf8;
-lop3.b32 h1, h1, v4, 0x80808080, 0xf8;
-prmt.b32 p0, h0, 0, 0x1404;
-prmt.b32 p1, h0, 0, 0x3424;
-prmt.b32 p2, h1, 0, 0x1404;
-prmt.b32 p3, h1, 0, 0x3424;
-mov.b32 sa, {s2, s2};
-mov.b32 sb, {s3, s3};
-mul.rn.f16x2 p0, p0, sa;
-mul.rn.f16x2 p1, p1, sa;
-mul.rn.f16x2 p2, p2, sb;
-mul.rn.f16x2 p3, p3, sb;
-mov.b32 {$8, $9}, p0;
-mov.b32 {$10, $11}, p1;
-mov.b32 {$12, $13}, p2;
-mov.b32 {$14, $15}, p3;
-}""")
+""" + _E2M1_TABLE + _word_decode_ptx("$16", "s0", "s1", 0) + _word_decode_ptx("$17", "s2", "s3", 8) + "}")
 
 
 _E2M1_2WORDS_CONSTRAINTS = gl.constexpr(",".join(["=h"] * 16) + ",r,r,r")
