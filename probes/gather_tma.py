@@ -82,11 +82,9 @@ def gather_tma(x: torch.Tensor, token_idx: torch.Tensor) -> torch.Tensor:
 
 def compile_only():
     """The kernel compiled for sm_90 without a GPU: SASS instructions, registers, TMA loads."""
-    import os
     import re
-    import subprocess
-    import tempfile
 
+    from cuobjdump import dump
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -96,14 +94,7 @@ def compile_only():
     const = {"BLOCK_M": BLOCK_M, "BLOCK_K": BLOCK_K, "num_warps": 4}
     kernel = triton.compile(GluonASTSource(_gather_tma_kernel, sig, constexprs=const),
                             target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    folder = tempfile.mkdtemp()
-    with open(f"{folder}/k.cubin", "wb") as fh:
-        fh.write(kernel.asm["cubin"])
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    sass = subprocess.run([f"{tools}/cuobjdump", "-sass", f"{folder}/k.cubin"], capture_output=True, text=True).stdout
-    ops = [m.group(1) for m in re.finditer(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)]
-    res = subprocess.run([f"{tools}/cuobjdump", "-res-usage", f"{folder}/k.cubin"], capture_output=True,
-                         text=True).stdout
+    _, ops, res = dump(kernel)
     tma_ops = sum(op.startswith("UTMALDG") for op in ops)
     regs = re.search(r"REG:(\d+)", res).group(1)
     print(f"sm_90: {len(ops)} SASS instructions, {tma_ops} UTMALDG, {regs} registers")

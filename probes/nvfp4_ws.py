@@ -10,13 +10,11 @@ rounding with the float64 reference (``grouped_mm_nvfp4_ref``).
 
 import argparse
 import itertools
-import os
 import re
-import subprocess
-import tempfile
 
 import torch
 import triton
+from cuobjdump import dump
 
 E, K, N = 32, 2880, 5760
 REGS_CAP = [160]  # compile-only: maxnreg (--regs)
@@ -38,14 +36,7 @@ def compile_only(block_m, stages, chunks):
     const = {"NUM_PROGRAMS": 132, "GROUP_M": 1, "STAGES": stages, "CHUNKS": chunks, "REGS": REGS_CAP[0]}
     kernel = triton.compile(GluonASTSource(_grouped_mm_nvfp4_ws_kernel, sig, constexprs=const),
                             target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=REGS_CAP[0]))
-    folder = tempfile.mkdtemp()
-    with open(f"{folder}/k.cubin", "wb") as fh:
-        fh.write(kernel.asm["cubin"])
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    sass = subprocess.run([f"{tools}/cuobjdump", "-sass", f"{folder}/k.cubin"], capture_output=True, text=True).stdout
-    ops = [m.group(1) for m in re.finditer(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)]
-    res = subprocess.run([f"{tools}/cuobjdump", "-res-usage", f"{folder}/k.cubin"], capture_output=True,
-                         text=True).stdout
+    sass, ops, res = dump(kernel)
     count = {op: sum(o.startswith(op) for o in ops) for op in ("HGMMA", "PRMT", "LDS", "LDL", "STL", "UTMALDG",
                                                               "LDGSTS", "SHFL", "STS")}
     regs, smem = re.search(r"REG:(\d+)", res).group(1), re.search(r"SHARED:(\d+)", res).group(1)
