@@ -62,19 +62,23 @@ def tiles(x, g, nbytes, copy, want):
                 x, values, scales, g, m, k, 0, x.stride(0), x.stride(1), 0, BLOCK_M=32, NB=8, TPW_B=8, num_warps=4)
         _time_checked("gluon before 32x128 4 warps", run_before, (values, scales), want, nbytes, copy)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    for bm, nb, warps, per_sm, maxnreg in (
-            (32, 8, 4, 8, None), (64, 8, 8, 4, None), (64, 8, 8, 2, None), (64, 8, 8, 3, None),
-            (128, 8, 8, 2, None), (128, 8, 16, 2, None), (64, 16, 8, 4, None), (128, 16, 16, 2, None),
-            (64, 8, 8, 4, 64), (64, 8, 8, 4, 80), (128, 8, 16, 2, 64)):
-        tiles_k = triton.cdiv(k, 16 * nb)
-        programs = max(1, min(triton.cdiv(m, bm), sms * per_sm // tiles_k))
+    for words in (True, False):  # bf16 read as 32-bit words (the default for bf16) or as elements
+        for bm, nb, warps, per_sm, maxnreg in (
+                (128, 8, 16, 1, None), (128, 8, 16, 2, None), (64, 8, 16, 1, None), (64, 8, 16, 2, None),
+                (64, 8, 8, 2, None), (64, 8, 8, 3, None), (64, 8, 8, 4, None), (32, 8, 4, 8, None),
+                (128, 8, 16, 1, 64), (64, 8, 8, 4, 80)):
+            tiles_k = triton.cdiv(k, 16 * nb)
+            if words:  # persistent over all tiles
+                grid = (min(triton.cdiv(m, bm) * tiles_k, sms * per_sm), 1, 1)
+            else:  # persistent along the rows of each column tile
+                grid = (max(1, min(triton.cdiv(m, bm), sms * per_sm // tiles_k)), tiles_k, 1)
 
-        def run(bm=bm, nb=nb, warps=warps, programs=programs, tiles_k=tiles_k, maxnreg=maxnreg):
-            _quantize_rows_kernel[(programs, tiles_k, 1)](
-                x, values, scales, g, m, k, 0, x.stride(0), x.stride(1), 0,
-                BLOCK_M=bm, NB=nb, TPW_B=nb, num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}))
-        _time_checked(f"gluon tile {bm}x{nb * 16} {warps} warps {per_sm} programs/SM maxnreg {maxnreg}", run,
-                      (values, scales), want, nbytes, copy)
+            def run(bm=bm, nb=nb, warps=warps, grid=grid, maxnreg=maxnreg, words=words):
+                _quantize_rows_kernel[grid](
+                    x, values, scales, g, m, k, 0, x.stride(0), x.stride(1), 0, BLOCK_M=bm, NB=nb, TPW_B=nb,
+                    WORDS=words, num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}))
+            _time_checked(f"gluon {'words' if words else 'elements'} tile {bm}x{nb * 16} {warps} warps {per_sm} "
+                          f"programs/SM maxnreg {maxnreg}", run, (values, scales), want, nbytes, copy)
 
 
 def _time_checked(label, run, outs, want, nbytes, copy):
@@ -108,17 +112,18 @@ def swiglu_tiles(g, copy):
     values = torch.empty(m, f // 2, dtype=torch.uint8, device="cuda")
     scales = torch.empty(m, f // 16, dtype=torch.uint8, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for bm, nb, warps, per_sm in ((64, 8, 16, 1), (64, 8, 16, 2), (64, 8, 16, 3), (64, 8, 8, 2), (64, 8, 8, 4),
-                                  (32, 8, 8, 4), (32, 8, 8, 8), (128, 8, 16, 1), (32, 8, 4, 8)):
-        tiles_f = triton.cdiv(f, 16 * nb)
-        programs = max(1, min(triton.cdiv(m, bm), sms * per_sm // tiles_f))
+    for words in (True, False):  # bf16 h quantized as 32-bit words (the default) or element by element
+        for bm, nb, warps, per_sm in ((64, 8, 16, 1), (64, 8, 16, 2), (64, 8, 16, 3), (64, 8, 8, 4),
+                                      (32, 8, 8, 8), (128, 8, 16, 1), (128, 8, 16, 2), (32, 8, 4, 8)):
+            tiles_f = triton.cdiv(f, 16 * nb)
+            programs = max(1, min(triton.cdiv(m, bm), sms * per_sm // tiles_f))
 
-        def run(bm=bm, nb=nb, warps=warps, programs=programs, tiles_f=tiles_f):
-            _swiglu_quantize_rows_kernel[(programs, tiles_f)](
-                pre, values, scales, g, m, f, pre.stride(0), ALPHA=1.702, LIMIT=7.0, OFFSET=1.0,
-                LAYOUT="interleaved8", BLOCK_M=bm, NB=nb, TPW_B=nb, num_warps=warps)
-        _time_checked(f"swiglu gluon tile {bm}x{nb * 16} {warps} warps {per_sm} programs/SM", run,
-                      (values, scales), want, nbytes, copy)
+            def run(bm=bm, nb=nb, warps=warps, programs=programs, tiles_f=tiles_f, words=words):
+                _swiglu_quantize_rows_kernel[(programs, tiles_f)](
+                    pre, values, scales, g, m, f, pre.stride(0), ALPHA=1.702, LIMIT=7.0, OFFSET=1.0,
+                    LAYOUT="interleaved8", BLOCK_M=bm, NB=nb, TPW_B=nb, WORDS=words, num_warps=warps)
+            _time_checked(f"swiglu gluon {'words' if words else 'elements'} tile {bm}x{nb * 16} {warps} warps "
+                          f"{per_sm} programs/SM", run, (values, scales), want, nbytes, copy)
 
 
 if __name__ == "__main__":

@@ -622,6 +622,42 @@ def test_quantize_kernels_match_the_reference_gpu(gluon):
             _assert_bit_equal(nvfp4.quantize(x, g), nvfp4.quantize_ref(x, g))
 
 
+def _bf16_neighbours(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bf16 values one ulp below and above each positive bf16 value of t."""
+    bits = t.view(torch.int16)
+    return (bits - 1).view(torch.bfloat16), (bits + 1).view(torch.bfloat16)
+
+
+@gpu
+def test_quantize_bf16_words_gpu():
+    """The Gluon kernel's bf16 path (rows read as 32-bit words of two elements, NaN halves cleared and
+    the amax taken as a bf16x2 maximum in inline PTX, four code bytes packed per word): every bf16 bit
+    pattern, in blocks of neighbours (all-NaN, all-inf, subnormal, mixed blocks) and shuffled, each e2m1
+    midpoint times each block scale with its bf16 neighbours, under ordinary, tiny, huge and bad global
+    scales; bit for bit against the reference, and against the fp32-element path for inputs whose
+    strides or alignment keep them off the word path."""
+    torch.manual_seed(0)
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32, device=DEV).to(torch.int16).view(torch.bfloat16)
+    shuffled = every[torch.randperm(every.numel(), device=DEV)]
+    s = torch.tensor([1.0, 2.0**-8, 0.5, 1.25, 3.0, 448.0], device=DEV)  # e4m3 values
+    mids = (torch.tensor(nvfp4._MIDPOINTS, device=DEV)[None, :] * s[:, None]).to(torch.bfloat16)  # exact
+    below, above = _bf16_neighbours(mids)
+    grid = torch.cat([mids, below, above, (6.0 * s[:, None]).to(torch.bfloat16)], 1)  # 6 x 22: amax 6 s
+    grid = grid[:, torch.randperm(grid.shape[1], device=DEV)]
+    ties = torch.cat([grid, grid[:, :10]], 1) * (torch.randint(0, 2, (6, 32), device=DEV) * 2 - 1)
+    specials = _special_inputs(DEV).to(torch.bfloat16)
+    for x in (every.view(256, 256), shuffled.view(512, 128), ties.to(torch.bfloat16), specials):
+        for g in (None, 1.0, 1 / 6, 0.25, 3e-5, 2.0**-140, 1e30, *BAD_GLOBAL_SCALES):
+            g = g if g is None else torch.tensor(g, device=DEV)
+            _assert_bit_equal(nvfp4.quantize(x, g), nvfp4.quantize_ref(x, g))
+    wide = torch.cat([shuffled.view(512, 128), shuffled.view(512, 128)[:, :16]], 1)
+    off = wide[:, 1:129]  # a 2-byte offset: elements, not words
+    assert off.data_ptr() % 4 == 2
+    for g in (None, torch.tensor(0.25, device=DEV)):
+        _assert_bit_equal(nvfp4.quantize(off, g), nvfp4.quantize_ref(off, g))
+        _assert_bit_equal(nvfp4.quantize(off, g), nvfp4.quantize(off.contiguous(), g))
+
+
 @gpu
 @pytest.mark.parametrize("shape, layout", [
     pytest.param((4, 1024, 1536), "contiguous", id="contiguous"),

@@ -61,7 +61,8 @@ TILE_ROWS, TILE_COLS = 128, 4  # the swizzled scale tile
 # The Gluon quantize kernel's tile (rows, 16-element blocks per row, warps) and its persistent programs
 # per SM: the fastest of a sweep on an H100 (probes/quantize_kernels.py, bench/results/h100/nvfp4_quantize.md)
 QUANTIZE_TILE = (128, 8, 16)
-QUANTIZE_PROGRAMS_PER_SM = 2
+QUANTIZE_PROGRAMS_PER_SM = 2  # fp32, fp16 and bf16 inputs off the word path
+QUANTIZE_WORDS_PROGRAMS_PER_SM = 1  # bf16 read as words (one program of 16 warps fits an SM's registers)
 INTERLEAVE = 8  # the gate/up column granularity of the "interleaved8" layout
 
 # Midpoints between neighbouring magnitudes; a value exactly on one rounds to the even code.
@@ -475,12 +476,20 @@ def quantize_fwd(x3: torch.Tensor, gscale: torch.Tensor, per_group: bool, block_
 
         bm, nb, warps = QUANTIZE_TILE  # 16 warps x 4 rows x 2 repeats; 8 blocks (128 elements) of a row
         tiles_k = triton.cdiv(k, 16 * nb)
-        # persistent along the rows: about QUANTIZE_PROGRAMS_PER_SM programs per SM in all
-        row_programs = max(1, min(triton.cdiv(r, bm),
-                                  config.num_sms(x3.device) * QUANTIZE_PROGRAMS_PER_SM // (tiles_k * groups)))
-        _quantize_rows_kernel[(row_programs, tiles_k, groups)](
+        sms = config.num_sms(x3.device)
+        # bf16 rows read as 32-bit words (two elements each) where the strides allow
+        words = (x3.dtype == torch.bfloat16 and x3.stride(2) == 1 and x3.stride(0) % 2 == 0
+                 and x3.stride(1) % 2 == 0 and x3.data_ptr() % 4 == 0)
+        if words:  # persistent over each group's tiles
+            grid = (max(1, min(triton.cdiv(r, bm) * tiles_k, sms * QUANTIZE_WORDS_PROGRAMS_PER_SM // groups)), 1,
+                    groups)
+        else:  # persistent along the rows of each column tile
+            grid = (max(1, min(triton.cdiv(r, bm), sms * QUANTIZE_PROGRAMS_PER_SM // (tiles_k * groups))), tiles_k,
+                    groups)
+        _quantize_rows_kernel[grid](
             x3, values, scales, gscale, r, k, *x3.stride(), int(per_group),
-            BLOCK_M=bm, NB=nb, TPW_B=nb, num_warps=warps,
+            BLOCK_M=bm, NB=nb, TPW_B=nb, WORDS=words,
+            num_warps=warps,
         )
         return values, scales
     bm, bk = _tile(k)

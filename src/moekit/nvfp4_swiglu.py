@@ -46,8 +46,8 @@ from .reference import grouped_mm_swiglu_ref
 LAYOUTS = ("interleaved", "halves", "interleaved8")
 # The Gluon SwiGLU -> NVFP4 kernel's tile (rows, 16-element blocks of h per row, warps) and its
 # persistent programs per SM (probes/quantize_kernels.py, bench/results/h100/nvfp4_quantize.md)
-SWIGLU_QUANTIZE_TILE = (64, 8, 16)
-SWIGLU_QUANTIZE_PROGRAMS_PER_SM = 3
+SWIGLU_QUANTIZE_TILE = (128, 8, 16)
+SWIGLU_QUANTIZE_PROGRAMS_PER_SM = 2
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # --------------------------------------------------------------------------------------------------
