@@ -170,10 +170,12 @@ _WORDS_PACK4 = gl.constexpr("{ .reg .b32 a, b, p, s01, s23, sl, sh, nz; "
                 "add.u32 nz, p, 0x77777777; and.b32 sl, sl, nz; or.b32 $0, p, sl; }")
 
 
+_BF16X2_MAX = gl.constexpr("max.bf16x2 $0, $1, $2;")
+
+
 @gluon.jit
 def _bf16x2_max(a, b):
-    return gl.inline_asm_elementwise("max.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.int32, is_pure=True,
-                                     pack=1)
+    return gl.inline_asm_elementwise(_BF16X2_MAX, "=r,r,r", [a, b], dtype=gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit
