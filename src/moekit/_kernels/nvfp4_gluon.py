@@ -24,10 +24,15 @@ theorem needs no overflow and no underflow:
 The rest, per element: the e2m1 code is ``_e2m1_magnitude_bits`` of min(|q|, 6) (an exponent-indexed
 RNE, one FMA), x's sign is or-ed in with integer operations, and two codes pack into a byte. Per
 block, the e4m3 scale is rounded and decoded by the conversion instructions (``cvt`` e4m3x2, sm_89 and
-newer, which this kernel requires anyway), which round as ``_e4m3_code`` does. The loop body is 29
-SASS instructions per element (sm_90, Triton 3.6), against 39 for the same layout with the compares
-and selects of ``_e2m1_code``, the written-out e4m3 rounding and the lift's multiply. The kernel is persistent along the
-rows, with the next tile's load issued before the current tile's arithmetic.
+newer, which this kernel requires anyway), which round as ``_e4m3_code`` does.
+
+Two paths, the same bits. bf16 input with a unit column stride, even strides and a 4-byte aligned start
+takes ``_quantize_words``: its rows are read as 32-bit words of two elements, and inline PTX clears NaN
+halves, takes the block amax as a bf16x2 maximum and packs four code bytes with their signs per word
+(22.6 SASS instructions per element in the loop, sm_90, Triton 3.6); that kernel is persistent over all
+of a group's tiles. Other inputs go element by element (``_quantize_blocks``, 29 per element),
+persistent along the rows of a column tile. Both issue a tile's loads before the arithmetic of the one
+before it. The SwiGLU pass takes the same two paths for its h.
 """
 
 import triton
