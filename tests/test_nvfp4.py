@@ -6,7 +6,6 @@ sizes, with no host sync and under CUDA-graph capture."""
 import itertools
 import re
 
-import numpy as np
 import pytest
 import torch
 
@@ -623,42 +622,6 @@ def test_quantize_kernels_match_the_reference_gpu(gluon):
             _assert_bit_equal(nvfp4.quantize(x, g), nvfp4.quantize_ref(x, g))
 
 
-def _bf16_neighbours(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The bf16 values one ulp below and above each positive bf16 value of t."""
-    bits = t.view(torch.int16)
-    return (bits - 1).view(torch.bfloat16), (bits + 1).view(torch.bfloat16)
-
-
-@gpu
-def test_quantize_bf16_words_gpu():
-    """The Gluon kernel's bf16 path (rows read as 32-bit words of two elements, NaN halves cleared and
-    the amax taken as a bf16x2 maximum in inline PTX, four code bytes packed per word): every bf16 bit
-    pattern, in blocks of neighbours (all-NaN, all-inf, subnormal, mixed blocks) and shuffled, each e2m1
-    midpoint times each block scale with its bf16 neighbours, under ordinary, tiny, huge and bad global
-    scales; bit for bit against the reference, and against the fp32-element path for inputs whose
-    strides or alignment keep them off the word path."""
-    torch.manual_seed(0)
-    every = torch.arange(-(2**15), 2**15, dtype=torch.int32, device=DEV).to(torch.int16).view(torch.bfloat16)
-    shuffled = every[torch.randperm(every.numel(), device=DEV)]
-    s = torch.tensor([1.0, 2.0**-8, 0.5, 1.25, 3.0, 448.0], device=DEV)  # e4m3 values
-    mids = (torch.tensor(nvfp4._MIDPOINTS, device=DEV)[None, :] * s[:, None]).to(torch.bfloat16)  # exact
-    below, above = _bf16_neighbours(mids)
-    grid = torch.cat([mids, below, above, (6.0 * s[:, None]).to(torch.bfloat16)], 1)  # 6 x 22: amax 6 s
-    grid = grid[:, torch.randperm(grid.shape[1], device=DEV)]
-    ties = torch.cat([grid, grid[:, :10]], 1) * (torch.randint(0, 2, (6, 32), device=DEV) * 2 - 1)
-    specials = _special_inputs(DEV).to(torch.bfloat16)
-    for x in (every.view(256, 256), shuffled.view(512, 128), ties.to(torch.bfloat16), specials):
-        for g in (None, 1.0, 1 / 6, 0.25, 3e-5, 2.0**-140, 1e30, *BAD_GLOBAL_SCALES):
-            g = g if g is None else torch.tensor(g, device=DEV)
-            _assert_bit_equal(nvfp4.quantize(x, g), nvfp4.quantize_ref(x, g))
-    wide = torch.cat([shuffled.view(512, 128), shuffled.view(512, 128)[:, :16]], 1)
-    off = wide[:, 1:129]  # a 2-byte offset: elements, not words
-    assert off.data_ptr() % 4 == 2
-    for g in (None, torch.tensor(0.25, device=DEV)):
-        _assert_bit_equal(nvfp4.quantize(off, g), nvfp4.quantize_ref(off, g))
-        _assert_bit_equal(nvfp4.quantize(off, g), nvfp4.quantize(off.contiguous(), g))
-
-
 @gpu
 @pytest.mark.parametrize("shape, layout", [
     pytest.param((4, 1024, 1536), "contiguous", id="contiguous"),
@@ -740,80 +703,3 @@ def test_custom_ops_pass_opcheck_gpu():
     torch.library.opcheck(nvfp4._to_blocked_op, (s.view(2, 100, 16),))
     offs = torch.tensor([50, 50, 180], dtype=torch.int32, device=DEV)
     torch.library.opcheck(nvfp4._to_blocked_ragged_op, (s, offs))
-
-
-# --------------------------------------------------------------------------------------------------
-# the Gluon kernel's bf16 word path: its inline PTX, emulated on the CPU (the interpreter runs no PTX)
-# --------------------------------------------------------------------------------------------------
-
-
-def _finite_amax_bits(halves: list[int]) -> int:
-    """The fp32 bits of the largest finite |x| over bf16 bit patterns (0 when none is finite)."""
-    x = torch.tensor(halves, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float().abs()
-    x = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
-    return int(x.max().view(torch.int32)) & 0xFFFFFFFF
-
-
-def test_word_path_asm_sanitize_and_amax():
-    """``_WORD_SANITIZE`` clears exactly the NaN halves; ``_WORD_ABS_ULP``, the bf16x2 maximum over a
-    block's eight words and ``_WORDS_AMAX`` give the block's amax over its finite values, as fp32 bits:
-    blocks of random bf16 patterns with NaN, inf, zeros, subnormals and the largest finite value mixed
-    in, and blocks with nothing finite."""
-    from ptx_emulator import _run_ptx
-
-    from moekit._kernels import nvfp4_gluon as g
-
-    every = list(range(1 << 16))
-    got = [_run_ptx(g._WORD_SANITIZE.value, {"$1": h | (0x3F80 << 16)})["$0"] for h in every]
-    want = [(0 if (h & 0x7FFF) > 0x7F80 else h) | (0x3F80 << 16) for h in every]
-    assert got == want
-    assert _run_ptx(g._WORD_SANITIZE.value, {"$1": 0x7FC0 << 16 | 0xFF81})["$0"] == 0
-
-    rng = np.random.default_rng(0)
-    special = [0x7F80, 0xFF80, 0x7FC0, 0xFFFF, 0x7F81, 0x0000, 0x8000, 0x0001, 0x807F, 0x7F7F, 0xFF7F]
-    blocks = []
-    for i in range(3000):
-        h = rng.integers(0, 1 << 16, 16)
-        h = np.where(rng.random(16) < 0.3, rng.choice(special, 16), h)
-        if i % 50 == 0:
-            h = rng.choice([0x7F80, 0xFF80, 0x7FC0, 0xFFC1], 16)  # nothing finite but the NaNs' zeros
-        if i % 50 == 1:
-            h = rng.choice([0x7F80, 0xFF80], 16)  # nothing finite: a NaN maximum
-        blocks.append([int(v) for v in h])
-    for h in blocks:
-        words = [h[2 * j] | h[2 * j + 1] << 16 for j in range(8)]
-        lifted = []
-        for w in words:
-            ws = _run_ptx(g._WORD_SANITIZE.value, {"$1": w})["$0"]
-            lifted.append(_run_ptx(g._WORD_ABS_ULP.value, {"$1": ws})["$0"])
-        m = lifted[0]
-        for w in lifted[1:]:
-            m = _run_ptx(g._BF16X2_MAX.value, {"$1": m, "$2": w})["$0"]
-        assert _run_ptx(g._WORDS_AMAX.value, {"$1": m})["$0"] == _finite_amax_bits(h), h
-
-
-def test_word_path_asm_pack4():
-    """``_WORDS_PACK4`` on every pair of magnitude codes in each of the four bytes (with the junk bits
-    ``_e2m1_magnitude_bits`` leaves above them) and every sign: each byte is the two codes, the even
-    element's low, with a sign bit only where its code is not 0."""
-    from ptx_emulator import _run_ptx
-
-    from moekit._kernels import nvfp4_gluon as g
-
-    rng = np.random.default_rng(1)
-    for case in range(4000):
-        lo, hi = rng.integers(0, 8, 4), rng.integers(0, 8, 4)
-        if case < 64:  # every code pair in byte 0
-            lo[0], hi[0] = case % 8, case // 8
-        neg_lo, neg_hi = rng.integers(0, 2, 4), rng.integers(0, 2, 4)
-        mags = [(0x4B400000 + int(a)) + ((0x4B400000 + int(b)) << 4) & 0xFFFFFFFF for a, b in zip(lo, hi, strict=True)]
-        words = [int(rng.integers(0, 1 << 15)) | int(sl) << 15 | int(rng.integers(0, 1 << 15)) << 16 | int(sh) << 31
-                 for sl, sh in zip(neg_lo, neg_hi, strict=True)]
-        regs = {f"${i + 1}": v for i, v in enumerate(mags + words)}
-        got = _run_ptx(g._WORDS_PACK4.value, regs)["$0"]
-        want = 0
-        for i in range(4):
-            code_lo = int(lo[i]) | (8 if neg_lo[i] and lo[i] else 0)
-            code_hi = int(hi[i]) | (8 if neg_hi[i] and hi[i] else 0)
-            want |= (code_lo | code_hi << 4) << 8 * i
-        assert got == want, (case, hex(got), hex(want))

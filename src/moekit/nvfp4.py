@@ -460,6 +460,14 @@ def global_scale_fwd(x3: torch.Tensor) -> torch.Tensor:
     return gscale
 
 
+def quantize_reads_words(x3: torch.Tensor) -> bool:
+    """Whether the Gluon quantize kernel reads x3 (G, R, K) as 32-bit words of two elements (its bf16
+    path, ``_kernels/nvfp4_gluon._quantize_words``): bf16 with a unit column stride, even strides and a
+    4-byte aligned start. Other inputs go element by element, to the same bits."""
+    return (x3.dtype == torch.bfloat16 and x3.stride(2) == 1 and x3.stride(0) % 2 == 0 and x3.stride(1) % 2 == 0
+            and x3.data_ptr() % 4 == 0)
+
+
 def quantize_fwd(x3: torch.Tensor, gscale: torch.Tensor, per_group: bool, block_2d: bool,
                  stochastic: bool = False, seed: int = 0, offset: int = 0):
     """x3 (G, R, K) float, any strides; gscale (G,) fp32 when ``per_group``, else (1,) -> (values
@@ -477,9 +485,7 @@ def quantize_fwd(x3: torch.Tensor, gscale: torch.Tensor, per_group: bool, block_
         bm, nb, warps = QUANTIZE_TILE  # 16 warps x 4 rows x 2 repeats; 8 blocks (128 elements) of a row
         tiles_k = triton.cdiv(k, 16 * nb)
         sms = config.num_sms(x3.device)
-        # bf16 rows read as 32-bit words (two elements each) where the strides allow
-        words = (x3.dtype == torch.bfloat16 and x3.stride(2) == 1 and x3.stride(0) % 2 == 0
-                 and x3.stride(1) % 2 == 0 and x3.data_ptr() % 4 == 0)
+        words = quantize_reads_words(x3)
         if words:  # persistent over each group's tiles
             grid = (max(1, min(triton.cdiv(r, bm) * tiles_k, sms * QUANTIZE_WORDS_PROGRAMS_PER_SM // groups)), 1,
                     groups)

@@ -45,9 +45,11 @@ from .reference import grouped_mm_swiglu_ref
 
 LAYOUTS = ("interleaved", "halves", "interleaved8")
 # The Gluon SwiGLU -> NVFP4 kernel's tile (rows, 16-element blocks of h per row, warps) and its
-# persistent programs per SM (probes/quantize_kernels.py, bench/results/h100/nvfp4_quantize.md)
-SWIGLU_QUANTIZE_TILE = (128, 8, 16)
-SWIGLU_QUANTIZE_PROGRAMS_PER_SM = 2
+# persistent programs per SM (probes/quantize_kernels.py, bench/results/h100/nvfp4_quantize.md): for a
+# bf16 pre-activation, whose h the kernel quantizes as 32-bit words, and for fp16 / fp32 (element by
+# element, the fastest tile of that path)
+SWIGLU_QUANTIZE_TILE = {True: (128, 8, 16), False: (64, 8, 16)}
+SWIGLU_QUANTIZE_PROGRAMS_PER_SM = {True: 2, False: 3}
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # --------------------------------------------------------------------------------------------------
@@ -161,10 +163,11 @@ def swiglu_quantize_nvfp4_fwd(pre: torch.Tensor, gscale: torch.Tensor, alpha: fl
     if config.use_gluon_quantize(pre.device):
         from ._kernels.nvfp4_gluon import _swiglu_quantize_rows_kernel
 
-        bm, nb, warps = SWIGLU_QUANTIZE_TILE
+        words = pre.dtype == torch.bfloat16
+        bm, nb, warps = SWIGLU_QUANTIZE_TILE[words]
         tiles_f = triton.cdiv(f, 16 * nb)
-        row_programs = max(1, min(triton.cdiv(m, bm), config.num_sms(pre.device) * SWIGLU_QUANTIZE_PROGRAMS_PER_SM
-                                  // tiles_f))
+        row_programs = max(1, min(triton.cdiv(m, bm), config.num_sms(pre.device)
+                                  * SWIGLU_QUANTIZE_PROGRAMS_PER_SM[words] // tiles_f))
         _swiglu_quantize_rows_kernel[(row_programs, tiles_f)](
             pre, values, scales, gscale, m, f, pre.stride(0),
             **_swiglu_constexprs(alpha, limit, linear_offset, layout),

@@ -200,6 +200,7 @@ def _quantize_words(w, g, LIFT: gl.constexpr, LP: gl.constexpr):
     whole blocks) -> (packed codes [rows, blocks, 2] int32, four code bytes each, the even element's
     code low, in LP; e4m3 scale codes [rows, blocks] int32), the same bits. ``LIFT``: LIFT_NEVER or
     LIFT_ALWAYS."""
+    gl.static_assert(LIFT != LIFT_BY_SCALE, "_quantize_words: LIFT_NEVER or LIFT_ALWAYS")
     ws = gl.inline_asm_elementwise(_WORD_SANITIZE, "=r,r", [w], dtype=gl.int32, is_pure=True, pack=1)
     lifted = gl.inline_asm_elementwise(_WORD_ABS_ULP, "=r,r", [ws], dtype=gl.int32, is_pure=True, pack=1)
     amax = gl.inline_asm_elementwise(_WORDS_AMAX, "=f,r", [gl.reduce(lifted, 2, _bf16x2_max)], dtype=gl.float32,
@@ -227,8 +228,8 @@ def _quantize_words(w, g, LIFT: gl.constexpr, LP: gl.constexpr):
 @gluon.jit
 def _load_words(x, pid_m, pid_k, gi, R, K, stride_g, stride_r, BLOCK_M: gl.constexpr, NW: gl.constexpr,
                 LW: gl.constexpr):
-    """Row tile pid_m, column tile pid_k of group gi of bf16 x (unit column stride, even strides) as
-    [BLOCK_M, NW] int32 words of two elements; zeros past the tensor."""
+    """Row tile pid_m, column tile pid_k of group gi of bf16 x (unit column stride, even strides, a 4-byte
+    aligned start) as [BLOCK_M, NW] int32 words of two elements; zeros past the tensor."""
     xw = x.to(gl.pointer_type(gl.int32))
     rx = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LW))
     cx = pid_k * NW + gl.arange(0, NW, layout=gl.SliceLayout(0, LW))
@@ -269,8 +270,9 @@ def _quantize_rows_kernel(
     WORDS: gl.constexpr = False,  # bf16 x with a unit column stride and even strides: ``_quantize_words``,
     # persistent over all of a group's tiles (grid (P, 1, groups))
 ):
-    # Persistent along the rows: grid (P, column tiles, groups), and program p takes row tiles p, p + P,
-    # ... of its column tile. It loads the next tile's x before it quantizes the current one, so that
+    # Element by element: persistent along the rows, grid (P, column tiles, groups), and program p takes
+    # row tiles p, p + P, ... of its column tile (the word path: grid (P, 1, groups), ``_quantize_words_loop``).
+    # It loads the next tile's x before it quantizes the current one, so that
     # its loads are in flight while it computes (one tile per program, each program's loads and its
     # chain of per-block divisions would alternate, with nothing to overlap them).
     # [rows, blocks, bytes, nibbles]: a thread holds the 8 x 2 elements of a block, TPW_B threads of a
@@ -442,7 +444,8 @@ def _swiglu_quantize_rows_kernel(
     M, F, stride_pre_m,
     ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr, LAYOUT: gl.constexpr,
     BLOCK_M: gl.constexpr, NB: gl.constexpr, TPW_B: gl.constexpr,
-    WORDS: gl.constexpr = True,  # bf16 h through ``_quantize_words`` (False: element by element, the same bits)
+    WORDS: gl.constexpr = True,  # bf16 h through ``_quantize_words``; False (for comparisons): element by
+    # element, the same bits
 ):
     # ``_swiglu_quantize_kernel``'s bytes (h = SwiGLU(pre) rounded to pre's dtype, then quantized with
     # 1x16 blocks) with ``_quantize_rows_kernel``'s layout and loop: grid (P, column tiles of h),
