@@ -16,7 +16,7 @@ from .epilogue import SwiGLU
 from .experts import grouped_mm_downproj, grouped_mm_swiglu, swiglu
 from .grouped_gemm import grouped_mm
 from .layers import GptOssExperts, GroupedExperts, MoE
-from .nvfp4_gemm import grouped_mm_nvfp4, grouped_mm_nvfp4_ref
+from .nvfp4_gemm import grouped_mm_nvfp4, grouped_mm_nvfp4_ref, grouped_mm_nvfp4_wgrad, grouped_mm_nvfp4_wgrad_ref
 from .nvfp4_swiglu import (
     grouped_mm_swiglu_nvfp4,
     grouped_mm_swiglu_nvfp4_ref,
@@ -57,6 +57,8 @@ __all__ = [
     "grouped_mm_downproj_ref",
     "grouped_mm_nvfp4",
     "grouped_mm_nvfp4_ref",
+    "grouped_mm_nvfp4_wgrad",
+    "grouped_mm_nvfp4_wgrad_ref",
     "grouped_mm_ref",
     "grouped_mm_swiglu",
     "grouped_mm_swiglu_nvfp4",

@@ -1,4 +1,5 @@
-"""``grouped_mm_nvfp4``: the rows-ragged (2D x 3D) grouped GEMM on NVFP4 operands, forward only.
+"""``grouped_mm_nvfp4``: the rows-ragged (2D x 3D) grouped GEMM on NVFP4 operands, forward only; and
+``grouped_mm_nvfp4_wgrad``, the ragged-K form that weight gradients take (at the end of this file).
 
 Reads as: reference (``grouped_mm_nvfp4_ref``) -> kernels (``_kernels/nvfp4_gemm.py``, and
 ``_kernels/nvfp4_gemm_ws.py`` on sm_90) -> launcher (``grouped_mm_nvfp4_fwd``) -> custom op
@@ -31,7 +32,7 @@ import triton.language as tl
 
 from . import config
 from ._kernels.nvfp4_gemm import _grouped_mm_nvfp4_kernel
-from .grouped_gemm import _ragged_m
+from .grouped_gemm import _ragged_m, grouped_mm
 from .nvfp4 import BLOCK, _run, dequantize, dequantize_fwd, e2m1_values_ref, unpack_ref
 from .reference import _bounds
 
@@ -447,3 +448,139 @@ def grouped_mm_nvfp4(
     args = (a_values.view(torch.uint8), a_scales.view(torch.uint8), a_global,
             w_values.view(torch.uint8), w_scales.view(torch.uint8), w_global, offs, out_dtype, w_packed)
     return _run(_grouped_mm_nvfp4_op, grouped_mm_nvfp4_fwd, *args)
+
+
+# --------------------------------------------------------------------------------------------------
+# the ragged-K form: weight gradients
+# --------------------------------------------------------------------------------------------------
+
+_WGRAD = "grouped_mm_nvfp4_wgrad"
+
+
+def check_wgrad_inputs(a_values, a_scales, a_global, b_values, b_scales, b_global, offs, out_dtype) -> None:
+    """Dtypes, shapes, T % 16 and devices of ``grouped_mm_nvfp4_wgrad`` (no host sync)."""
+    for t, name, dtype in (
+        (a_values, "a_values", FP4), (a_scales, "a_scales", E4M3), (a_global, "a_global", torch.float32),
+        (b_values, "b_values", FP4), (b_scales, "b_scales", E4M3), (b_global, "b_global", torch.float32),
+        (offs, "offs", torch.int32),
+    ):
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+            raise TypeError(f"{_WGRAD}: {name} must be a {dtype} tensor, got {_describe(t)}")
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"{_WGRAD}: out_dtype must be torch.bfloat16, float16 or float32, got {out_dtype}")
+    if a_values.dim() != 2 or b_values.dim() != 2 or a_values.shape[1] != b_values.shape[1]:
+        raise ValueError(f"{_WGRAD}: expected a_values (M, T / 2) and b_values (N, T / 2) with one T, got "
+                         f"{tuple(a_values.shape)} and {tuple(b_values.shape)}")
+    t = 2 * a_values.shape[1]
+    if t % BLOCK:
+        raise ValueError(f"{_WGRAD}: T must be a multiple of {BLOCK}, got T = {t} (a_values {tuple(a_values.shape)})")
+    for v, s, name in ((a_values, a_scales, "a_scales"), (b_values, b_scales, "b_scales")):
+        if tuple(s.shape) != (v.shape[0], t // BLOCK):
+            raise ValueError(f"{_WGRAD}: {name} must be {(v.shape[0], t // BLOCK)} (one scale per {BLOCK} elements "
+                             f"along T), got {tuple(s.shape)}")
+    for g, name in ((a_global, "a_global"), (b_global, "b_global")):
+        if g.dim() != 0:
+            raise ValueError(f"{_WGRAD}: {name} must be 0-dim, got shape {tuple(g.shape)}")
+    if offs.dim() != 1 or offs.shape[0] == 0:
+        raise ValueError(f"{_WGRAD}: offs must be 1-D with E >= 1 entries, got shape {tuple(offs.shape)}")
+    for x, name in ((a_scales, "a_scales"), (a_global, "a_global"), (b_values, "b_values"),
+                    (b_scales, "b_scales"), (b_global, "b_global"), (offs, "offs")):
+        if x.device != a_values.device:
+            raise ValueError(f"{_WGRAD}: {name} is on {x.device} but a_values on {a_values.device}")
+
+
+def grouped_mm_nvfp4_wgrad_ref(
+    a_values: torch.Tensor,
+    a_scales: torch.Tensor,
+    a_global: torch.Tensor,
+    b_values: torch.Tensor,
+    b_scales: torch.Tensor,
+    b_global: torch.Tensor,
+    offs: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Reference for ``grouped_mm_nvfp4_wgrad`` (same arguments, same errors): both operands decoded in
+    float64 (exact), one float64 product per group over its columns, times ``a_global * b_global``, one
+    rounding to ``out_dtype``; an empty group is zero. Reads ``offs`` on the host."""
+    check_wgrad_inputs(a_values, a_scales, a_global, b_values, b_scales, b_global, offs, out_dtype)
+    a, b = _decode64(a_values, a_scales), _decode64(b_values, b_scales)  # (M, T), (N, T)
+    out = torch.zeros(offs.shape[0], a.shape[0], b.shape[0], dtype=torch.float64, device=a.device)
+    scale = a_global.double() * b_global.double()
+    for g, (start, end) in enumerate(_bounds(offs, a.shape[1])):
+        if end > start:
+            out[g] = (a[:, start:end] @ b[:, start:end].T) * scale
+    return out.to(out_dtype)
+
+
+def grouped_mm_nvfp4_wgrad_fwd(a_values, a_scales, a_global, b_values, b_scales, b_global, offs,
+                               out_dtype) -> torch.Tensor:
+    """Validated inputs (float4 / float8 or their uint8 views, any strides) -> (E, M, N): both operands
+    dequantized to bf16 with a global scale of 1 (exact), the bf16 ragged-K GEMM into fp32, then
+    ``a_global * b_global`` in fp32 and one rounding to ``out_dtype``."""
+    a = _decode_rows(a_values, a_scales, torch.bfloat16)  # (M, T)
+    b = _decode_rows(b_values, b_scales, torch.bfloat16)  # (N, T)
+    out = grouped_mm(a, b.T, offs, out_dtype=torch.float32)  # (E, M, N); empty groups zero
+    out.mul_(a_global * b_global)
+    return out if out_dtype == torch.float32 else out.to(out_dtype)
+
+
+@torch.library.custom_op("moekit::grouped_mm_nvfp4_wgrad", mutates_args=())
+def _grouped_mm_nvfp4_wgrad_op(
+    a_values: torch.Tensor, a_scales: torch.Tensor, a_global: torch.Tensor,
+    b_values: torch.Tensor, b_scales: torch.Tensor, b_global: torch.Tensor,
+    offs: torch.Tensor, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return grouped_mm_nvfp4_wgrad_fwd(a_values, a_scales, a_global, b_values, b_scales, b_global, offs, out_dtype)
+
+
+@_grouped_mm_nvfp4_wgrad_op.register_fake
+def _(a_values, a_scales, a_global, b_values, b_scales, b_global, offs, out_dtype):
+    return a_values.new_empty((offs.shape[0], a_values.shape[0], b_values.shape[0]), dtype=out_dtype)
+
+
+def grouped_mm_nvfp4_wgrad(
+    a_values: torch.Tensor,
+    a_scales: torch.Tensor,
+    a_global: torch.Tensor,
+    b_values: torch.Tensor,
+    b_scales: torch.Tensor,
+    b_global: torch.Tensor,
+    offs: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """The ragged-K grouped GEMM on NVFP4 operands, as weight gradients need it. Forward only.
+
+    ``out[g] = dequant(a)[:, offs[g-1]:offs[g]] @ dequant(b)[:, offs[g-1]:offs[g]]^T`` (offs[-1] := 0
+    before the first group) -> (E, M, N) ``out_dtype`` (bf16 by default, fp16 or fp32); a group with no
+    columns is **zero**; columns at or past ``offs[-1]`` take part in no group.
+
+    Operands, on one device, both quantized along T (the tokens: the reduction), T a multiple of 16:
+
+    - ``a_values`` (M, T / 2) ``float4_e2m1fn_x2``, ``a_scales`` (M, T / 16) ``float8_e4m3fn``,
+      ``a_global`` 0-dim fp32: for a weight gradient dW (E, K, N) = x^T dy per expert, x^T (K, T), as
+      ``nvfp4.quantize(x.T)`` returns it;
+    - ``b_values`` (N, T / 2), ``b_scales`` (N, T / 16), ``b_global`` 0-dim fp32: dy^T (N, T);
+    - ``offs`` (E,) int32 cumulative column ends on the device, non-decreasing, offs[-1] <= T (never
+      read by the host). A 16-element block that straddles two groups has one scale for both; to give
+      each expert its own blocks, start every group on a multiple of 16 (``nvfp4_train.padded_rows``
+      places expert-sorted rows so).
+
+    Numerics: the decoded operands (``e2m1 * e4m3``, exact in bf16) multiply with fp32 accumulation, the
+    fp32 result is multiplied by ``a_global * b_global`` and rounded once to ``out_dtype``;
+    ``grouped_mm_nvfp4_wgrad_ref`` computes the same in float64.
+
+    Emulated on every GPU (Hopper has no FP4 tensor cores, and at the token counts of training the GEMM
+    is compute-bound): both operands are dequantized to bf16 (temporaries (M, T) and (N, T)) and run
+    through ``moekit.grouped_mm``'s ragged-K kernels into an fp32 (E, M, N), which the global scales
+    then multiply. No host sync, CUDA-graph safe; on the CPU (or with the ``reference`` option)
+    ``grouped_mm_nvfp4_wgrad_ref``. Under torch.compile it is the custom op ``moekit::grouped_mm_nvfp4_wgrad``.
+    """
+    check_wgrad_inputs(a_values, a_scales, a_global, b_values, b_scales, b_global, offs, out_dtype)
+    if not config.uses_triton(a_values.device):
+        return grouped_mm_nvfp4_wgrad_ref(a_values, a_scales, a_global, b_values, b_scales, b_global, offs,
+                                          out_dtype=out_dtype)
+    args = (a_values.view(torch.uint8), a_scales.view(torch.uint8), a_global,
+            b_values.view(torch.uint8), b_scales.view(torch.uint8), b_global, offs, out_dtype)
+    return _run(_grouped_mm_nvfp4_wgrad_op, grouped_mm_nvfp4_wgrad_fwd, *args)

@@ -39,6 +39,7 @@ from torch import nn
 from . import nvfp4
 from .experts import swiglu
 from .grouped_gemm import grouped_mm
+from .nvfp4_gemm import grouped_mm_nvfp4_wgrad
 
 HADAMARD = 16  # the rotation's size: one NVFP4 block
 
@@ -112,13 +113,17 @@ def _decode(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return nvfp4.dequantize(values, scales, one, dtype=torch.bfloat16)
 
 
+def _quantize_codes(x: torch.Tensor, stochastic: bool, stream: RandomStream | None):
+    """x (..., K) along K -> (values, scales, global scale), stochastically rounded on ``stream``'s next
+    words if asked."""
+    if stochastic:
+        return nvfp4.quantize(x, rounding="stochastic", seed=stream.seed, offset=stream.take(x.numel() // 4))
+    return nvfp4.quantize(x)
+
+
 def _quantize(x: torch.Tensor, stochastic: bool, stream: RandomStream | None) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., K) along K -> (decoded bf16 (..., K), global scale fp32 0-dim)."""
-    if stochastic:
-        values, scales, g = nvfp4.quantize(x, rounding="stochastic", seed=stream.seed,
-                                        offset=stream.take(x.numel() // 4))
-    else:
-        values, scales, g = nvfp4.quantize(x)
+    values, scales, g = _quantize_codes(x, stochastic, stream)
     return _decode(values, scales), g
 
 
@@ -213,10 +218,9 @@ class NVFP4GroupedLinearFn(torch.autograd.Function):
             xt, dyt = _to_padded(x, dest, bound), _to_padded(dy, dest, bound)  # (K, Mp), (N, Mp)
             if recipe.random_hadamard:
                 xt, dyt = hadamard16(xt, signs), hadamard16(dyt, signs)
-            xtd, gx = _quantize(xt, False, None)
-            dytd, gdy = _quantize(dyt, recipe.stochastic_rounding, stream)
-            dw = grouped_mm(xtd, dytd.T, padded_offs, out_dtype=torch.float32) * (gx * gdy)  # (E, K, N)
-            dw = dw.to(ctx.w_dtype)
+            xq = nvfp4.quantize(xt)
+            dyq = _quantize_codes(dyt, recipe.stochastic_rounding, stream)
+            dw = grouped_mm_nvfp4_wgrad(*xq, *dyq, padded_offs, out_dtype=torch.float32).to(ctx.w_dtype)  # (E, K, N)
         return dx, dw, None, None, None, None
 
 
