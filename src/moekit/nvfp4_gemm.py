@@ -50,9 +50,9 @@ def _describe(t) -> str:
     return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
-def _check_dtype(t, name: str, dtype: torch.dtype) -> None:
+def _check_dtype(t, name: str, dtype: torch.dtype, op: str = _NAME) -> None:
     if not isinstance(t, torch.Tensor) or t.dtype != dtype:
-        raise TypeError(f"{_NAME}: {name} must be a {dtype} tensor, got {_describe(t)}")
+        raise TypeError(f"{op}: {name} must be a {dtype} tensor, got {_describe(t)}")
 
 
 def check_inputs(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out_dtype,
@@ -464,8 +464,7 @@ def check_wgrad_inputs(a_values, a_scales, a_global, b_values, b_scales, b_globa
         (b_values, "b_values", FP4), (b_scales, "b_scales", E4M3), (b_global, "b_global", torch.float32),
         (offs, "offs", torch.int32),
     ):
-        if not isinstance(t, torch.Tensor) or t.dtype != dtype:
-            raise TypeError(f"{_WGRAD}: {name} must be a {dtype} tensor, got {_describe(t)}")
+        _check_dtype(t, name, dtype, _WGRAD)
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"{_WGRAD}: out_dtype must be torch.bfloat16, float16 or float32, got {out_dtype}")
     if a_values.dim() != 2 or b_values.dim() != 2 or a_values.shape[1] != b_values.shape[1]:
