@@ -58,7 +58,17 @@ def _match_moe(rank, world, *, block="plain", splits="host", chunks=1, top_k=2, 
     xs, dys = _inputs(tokens)
     ep = ExpertParallelMoE.from_moe(moe, splits=splits, chunks=chunks)
     x = xs[rank].clone().requires_grad_()
+    present = []  # the receiving side's combine index: exactly the local choices present, the others -1
+    real_experts = ep.experts.forward
+
+    def experts_spy(x_recv, counts, token_idx, row_of, *rest):
+        present.append(((row_of >= 0).sum().item(), counts.sum().item()))
+        return real_experts(x_recv, counts, token_idx, row_of, *rest)
+
+    ep.experts.forward = experts_spy
     y = ep(x)
+    ep.experts.forward = real_experts
+    assert len(present) == chunks and all(p == n for p, n in present), present
     y.backward(dys[rank])
     ep.all_reduce_router_grads()
 

@@ -34,7 +34,8 @@ tells every rank, per chunk, how many tokens and choices each source sends it.
   in fixed slots of T_c rows per (source, destination) pair (a rank gets each token at most once) by
   an equal-split all-to-all into a (W * T_c, D) receive buffer; the experts run over W*T_c*K choice
   rows with device offsets, those of other ranks (and of empty slots) past the last offset, where they
-  come out as zeros (their gradients go nowhere). The slots' unused rows travel as zeros, and their
+  come out as zeros; those choices are absent (-1) in the combine's index, so the combine, its backward
+  and the dx sum skip them (their gradients go nowhere). The slots' unused rows travel as zeros, and their
   gradients come back as zeros. Every rank must pass the same number of tokens. The price: W*T_c
   rows per rank against the T_c*(1 + (W-1)*p) that need to go, (W-1)*T_c against (W-1)*p*T_c on the
   link (p: the chance that a token has a choice on a given other rank; 1/p is 1.0 at W = 2, 1.1 at
@@ -522,14 +523,16 @@ class ExpertParallelMoE(nn.Module):
         meta = all_to_all_wait(c.meta, c.ex_meta)
         weights = meta[:, :k]
         ids = meta[:, k:].detach().contiguous().view(torch.int32) - 1
-        counts, _, token_idx, row_of = routing_metadata(ids, self.local_experts)  # -1 (other ranks): dropped
+        counts, offs, token_idx, row_of = routing_metadata(ids, self.local_experts)  # -1 (other ranks): dropped
         scale = sorted_weights(weights, row_of) if scaled else None
         if c.pairs is not None:  # host splits: the rows of this rank's choices only, the others absent
             rows = c.pairs
             token_idx, row_of = token_idx[:rows], torch.where(row_of < rows, row_of, -1)
             scale = None if scale is None else scale[:rows]
-        # (device splits: every choice keeps a row; those of other ranks' experts lie past offs[-1], zero)
-        y = self.experts(x_recv, counts, token_idx, row_of, scale)
+        else:  # device splits: every choice keeps a row, those of other ranks' experts past offs[-1] (zero);
+            # marked absent, so that the combine and its backward skip them
+            row_of = torch.where(row_of < offs[-1], row_of, -1)
+        y = self.experts(x_recv, counts, token_idx, row_of, scale, offs)
         part = combine(y, None if scaled else weights, row_of)  # (N, D) this rank's share of each token
         c.back = c.ex.reverse()
         c.out = all_to_all_start(part, c.back)
