@@ -35,8 +35,10 @@ tells every rank, per chunk, how many tokens and choices each source sends it.
   an equal-split all-to-all into a (W * T_c, D) receive buffer; the experts run over W*T_c*K choice
   rows with device offsets, those of other ranks (and of empty slots) past the last offset, where they
   come out as zeros; those choices are absent (-1) in the combine's index, so the combine, its backward
-  and the dx sum skip them (their gradients go nowhere). The slots' unused rows travel as zeros, and their
-  gradients come back as zeros. Every rank must pass the same number of tokens. The price: W*T_c
+  and the dx sum skip them (their gradients go nowhere). The slots' unused rows travel unwritten and
+  nothing reads them: their choices are all absent on the receiving rank, which sends back zeros for
+  them, and the gradients that return for them are never read either. Every rank must pass the same
+  number of tokens. The price: W*T_c
   rows per rank against the T_c*(1 + (W-1)*p) that need to go, (W-1)*T_c against (W-1)*p*T_c on the
   link (p: the chance that a token has a choice on a given other rank; 1/p is 1.0 at W = 2, 1.1 at
   4, 1.5 at 8 for E = 128, K = 8), and expert activations for W*T_c*K rows; ``python -m moekit
@@ -504,10 +506,6 @@ class ExpertParallelMoE(nn.Module):
             send_l, recv_l, c.pairs = host
             s, n = sum(send_l), sum(recv_l)
         rows = gather_token_rows(x2[c.t0 : c.t1], c.plan.send_tok[:s], c.plan.pos)  # (S, D)
-        c.used = None
-        if host is None:  # the slots' unused rows hold no token (the gather leaves them unwritten): zeros
-            c.used = (torch.arange(c.t1 - c.t0, device=rows.device) < c.plan.tokens[:, None]).reshape(-1, 1)
-            rows = torch.where(c.used, rows, 0)
         meta = ScatterRowsFn.apply(c.cell_value, c.cell, s * 2 * self.top_k).view(s, 2 * self.top_k)
         c.ex = _Exchange(self.group, s, n, send_l, recv_l)
         c.ex_meta = _Exchange(self.group, s, n, send_l, recv_l)
@@ -540,8 +538,6 @@ class ExpertParallelMoE(nn.Module):
     def _combine(self, c: _Chunk) -> torch.Tensor:
         """Wait for the chunk's partial outputs and sum each token's (at most W) shares in fp32."""
         back = all_to_all_wait(c.out, c.back)
-        if c.used is not None:  # the unused slot rows: combine's backward leaves their gradient unwritten
-            back = torch.where(c.used, back, 0)
         return combine(back, None, c.plan.pos)
 
     def extra_repr(self) -> str:
