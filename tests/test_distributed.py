@@ -213,12 +213,14 @@ def _from_moe_keeps_nvfp4(rank, world):
     assert err < 0.15, f"NVFP4 EP output off the single-process NVFP4 block by {err:.3f}"
 
 
-def _host_splits_on_the_kernels(rank, world):
-    """The Triton kernels (interpreter) on host splits: each rank's experts run on fewer rows than its
-    tokens' T*K choices (cut to the real ones; the dropped choices are absent, -1, in row_of)."""
+def _on_the_kernels(rank, world, splits):
+    """The Triton kernels (interpreter), outputs poisoned. Host splits: each rank's experts run on fewer
+    rows than its tokens' T*K choices (cut to the real ones; the dropped choices are absent, -1, in
+    row_of). Device splits, two chunks: the slot rows that no token fills travel unwritten, and the
+    dropped choices' rows lie past offs[-1]; neither may reach an output or a gradient."""
     with moekit.options(reference=False):
         for block in BLOCKS:
-            _match_moe(rank, world, block=block, top_k=3)
+            _match_moe(rank, world, block=block, top_k=3, splits=splits, chunks=1 if splits == "host" else 2)
 
 
 def _compiled_over_the_kernels(rank, world):
@@ -380,12 +382,13 @@ CASES = {  # name: the case, run on every rank; the comment says what it covers
     "dcp-reshard-2-to-4": _dcp_reshard,
     "ep-x-fsdp2": _ep_by_fsdp2,
     "compile": _compiled_over_the_kernels,
-    "host-splits-kernels": _host_splits_on_the_kernels,
+    **{f"{s}-splits-kernels": partial(_on_the_kernels, splits=s) for s in ("host", "device")},
     "fsdp2": _fsdp2_on_the_router,
     "device-splits-graph": _device_splits_graph,
 }
 GPU_ONLY = {"device-splits-graph"}
-INTERPRETER_CASES = {"compile", "host-splits-kernels"}  # the kernels on CPU; on GPUs every case runs them
+# the kernels on CPU; on GPUs every case runs them
+INTERPRETER_CASES = {"compile", "host-splits-kernels", "device-splits-kernels"}
 WORLD_CASES = {
     2: [n for n in CASES if ONLY.get(n, 2) == 2 and n not in GPU_ONLY
         and (n not in INTERPRETER_CASES or config.is_interpreting())],

@@ -35,10 +35,12 @@ tells every rank, per chunk, how many tokens and choices each source sends it.
   an equal-split all-to-all into a (W * T_c, D) receive buffer; the experts run over W*T_c*K choice
   rows with device offsets, those of other ranks (and of empty slots) past the last offset, where they
   come out as zeros; those choices are absent (-1) in the combine's index, so the combine, its backward
-  and the dx sum skip them (their gradients go nowhere). The slots' unused rows travel unwritten and
-  nothing reads them: their choices are all absent on the receiving rank, which sends back zeros for
-  them, and the gradients that return for them are never read either. Every rank must pass the same
-  number of tokens. The price: W*T_c
+  and the dx sum skip them (their gradients go nowhere). The slots' unused rows travel unwritten, and
+  no result depends on them: their choices are all absent on the receiving rank, whose combine sends
+  back zeros for them; where a copy of the routed rows carries them into rows past the last offset,
+  every GEMM's loads stop at the group's end (and the NVFP4 path zeroes those rows before its amax);
+  the gradients that return for them are zeros or never read. Every rank must pass the same number of
+  tokens. The price: W*T_c
   rows per rank against the T_c*(1 + (W-1)*p) that need to go, (W-1)*T_c against (W-1)*p*T_c on the
   link (p: the chance that a token has a choice on a given other rank; 1/p is 1.0 at W = 2, 1.1 at
   4, 1.5 at 8 for E = 128, K = 8), and expert activations for W*T_c*K rows; ``python -m moekit
