@@ -173,9 +173,10 @@ def is_interpreting() -> bool:
 
 
 def uses_triton(device: torch.device) -> bool:
-    """Whether ops on ``device`` go through the Triton kernels (else the pure-PyTorch reference).
-    Raises when the installed Triton is one moekit's kernels were not tested with."""
-    use = not _options.reference and (device.type == "cuda" or is_interpreting())
+    """Whether ops on ``device`` go through the Triton kernels (else the pure-PyTorch reference, which
+    also serves meta tensors). Raises when the installed Triton is one moekit's kernels were not tested
+    with."""
+    use = not _options.reference and (device.type == "cuda" or (is_interpreting() and device.type != "meta"))
     if use and not torch.compiler.is_compiling():  # checked when eager calls first run
         check_triton()
     return use

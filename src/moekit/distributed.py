@@ -87,7 +87,15 @@ import torch.distributed as dist
 from torch import nn
 
 from .layers import GroupedExperts
-from .routing import Routing, combine, gather_token_rows, routing_metadata, sorted_weights, topk_router
+from .routing import (
+    Routing,
+    check_router_args,
+    combine,
+    gather_token_rows,
+    routing_metadata,
+    sorted_weights,
+    topk_router,
+)
 
 SPLITS = ("device", "host")
 
@@ -335,8 +343,7 @@ class ExpertParallelMoE(nn.Module):
         if num_experts % self.world:
             raise ValueError(f"ExpertParallelMoE: num_experts ({num_experts}) must be divisible by the EP group's "
                              f"size ({self.world})")
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"ExpertParallelMoE: top_k must be in [1, {num_experts}], got {top_k}")
+        check_router_args("ExpertParallelMoE", num_experts, top_k, score_func)
         if splits not in SPLITS:
             raise ValueError(f"ExpertParallelMoE: splits must be one of {SPLITS}, got {splits!r}")
         if not isinstance(chunks, int) or chunks < 1:

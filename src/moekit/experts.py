@@ -41,7 +41,7 @@ from .grouped_gemm import _grouped_mm_op, _op_mm, _ragged_k, _ragged_m, grouped_
 from .hopper import ws_dswiglu_ok, ws_gemm, ws_ok
 from .reference import H_GRADIENT_ERROR, ROW_SCALE_ERROR, grouped_mm_downproj_ref, grouped_mm_swiglu_ref, swiglu_ref
 from .routing import _gather_bwd_op, _gather_op, gather_rows_with_ones
-from .validation import check_layout, matrix_ready
+from .validation import check_layout, matrix_ready, unit_columns
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -185,6 +185,7 @@ def downproj_bwd(grad, w, offs, aux, spec: SwiGLU, *, need_w: bool, need_b: bool
 
 def grouped_colsum(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Per-group column sums of a row-ragged (M, N) matrix -> (E, N) fp32; empty groups are 0."""
+    x = unit_columns(x)
     m, n = x.shape
     e = offs.shape[0]
     out = config.empty((e, n), dtype=torch.float32, device=x.device)
@@ -204,6 +205,7 @@ def _elementwise_grid(m, f):
 
 def swiglu_fwd(pre: torch.Tensor, spec: SwiGLU) -> torch.Tensor:
     """Standalone SwiGLU: pre (M, 2F) -> h (M, F), the same device function as the fused epilogue."""
+    pre = unit_columns(pre)
     m, two_f = pre.shape
     h = config.empty((m, two_f // 2), dtype=pre.dtype, device=pre.device)
     if h.numel():
@@ -220,6 +222,7 @@ def swiglu_bwd(pre: torch.Tensor, dh: torch.Tensor, spec: SwiGLU, *, with_h: boo
     last column is ones (``grouped_mm_dswiglu``). ``scale`` (M,) fp32: the forward's h was
     s * SwiGLU(pre), so d_pre = dSwiGLU(pre) * (s * dh), h = s * SwiGLU(pre), and d_scale (M,) fp32 is
     <dh, SwiGLU(pre)> per row."""
+    pre, dh = unit_columns(pre), unit_columns(dh)
     m, two_f = pre.shape
     f = two_f // 2
     dpre = config.empty((m, two_f), dtype=pre.dtype, device=pre.device)
@@ -484,6 +487,8 @@ def _check_expert_inputs(name, x, w, offs, bias, n_bias):
         raise TypeError(f"{name}: x and w must both be bfloat16 or float16, got {x.dtype} and {w.dtype}")
     if x.shape[1] != w.shape[1]:
         raise ValueError(f"{name}: K mismatch, x {tuple(x.shape)} vs w {tuple(w.shape)}")
+    if w.shape[0] == 0:
+        raise ValueError(f"{name}: w must hold at least one expert (E >= 1), got {tuple(w.shape)}")
     if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or offs.shape != (w.shape[0],):
         raise TypeError(f"{name}: offs must be an int32 tensor of shape (E,) = ({w.shape[0]},)")
     if len({x.device, w.device, offs.device} | ({bias.device} if bias is not None else set())) != 1:
@@ -574,10 +579,11 @@ def grouped_mm_downproj(
     """Down-projection with bias fused: ``out = h @ w_down[g] + bias[g]`` (M, D).
 
     h (M, F); w_down (E, F, D), e.g. a ``(E, D, F)`` torchtitan weight as ``w.mT``; bias (E, D) or
-    None. With ``aux_biased_acc=aux`` from :func:`grouped_mm_swiglu` (and the same SwiGLU settings),
-    the backward runs fused: the gradient goes to aux (dSwiGLU(aux) applied to dH), not to h, and the
-    weight gradient takes h recomputed from aux, so that only aux stays alive (with the option
-    ``save_h=True``, h as saved). Without it, this is a plain grouped GEMM + bias whose gradient flows
+    None. With ``aux_biased_acc=aux`` from :func:`grouped_mm_swiglu` (with the same SwiGLU settings and
+    row scales: nothing checks that they match), the forward uses h as given and the backward runs
+    fused: the gradient goes to aux (dSwiGLU(aux) applied to dH), not to h, and the weight gradient
+    takes h recomputed from aux, so that only aux stays alive (with the option ``save_h=True``, h as
+    saved). Without it, this is a plain grouped GEMM + bias whose gradient flows
     to ``h``.
 
     ``row_scale`` (M,) float32, with ``aux_biased_acc``: the row scales that :func:`grouped_mm_swiglu`
@@ -587,8 +593,12 @@ def grouped_mm_downproj(
     """
     spec = SwiGLU(swiglu_alpha, swiglu_limit, swiglu_linear_offset, gate_up_layout)
     _check_expert_inputs("grouped_mm_downproj", h, w_down, offs, bias, w_down.shape[2])
-    if aux_biased_acc is not None and aux_biased_acc.shape != (h.shape[0], 2 * h.shape[1]):
+    aux = aux_biased_acc
+    if aux is not None and aux.shape != (h.shape[0], 2 * h.shape[1]):
         raise ValueError(f"grouped_mm_downproj: aux must be (M, 2F) = ({h.shape[0]}, {2 * h.shape[1]})")
+    if aux is not None and (aux.dtype != h.dtype or aux.device != h.device or aux.stride(1) != 1):
+        raise ValueError(f"grouped_mm_downproj: aux must be h's dtype and device with unit column stride, as "
+                         f"grouped_mm_swiglu returns it; got {aux.dtype} on {aux.device}, strides {aux.stride()}")
     if row_scale is not None and aux_biased_acc is None:
         raise ValueError(ROW_SCALE_ERROR)
     _check_row_scale("grouped_mm_downproj", row_scale, h.shape[0], h.device)

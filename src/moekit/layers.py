@@ -7,7 +7,7 @@ from torch import nn
 
 from .experts import grouped_mm_downproj, grouped_mm_swiglu
 from .nvfp4_train import NVFP4Training
-from .routing import combine, sorted_weights, topk_router
+from .routing import check_router_args, combine, sorted_weights, topk_router
 
 ACTIVATIONS = {
     "gpt-oss": dict(swiglu_alpha=1.702, swiglu_limit=7.0, swiglu_linear_offset=1.0),  # clamped, +1 on the linear half
@@ -159,6 +159,7 @@ class MoE(nn.Module):
         **experts_kw,
     ):
         super().__init__()
+        check_router_args("MoE", num_experts, top_k, score_func)
         self.top_k, self.score_func, self.renormalize, self.use_aux_loss = top_k, score_func, renormalize, aux_loss
         self.router = nn.Linear(dim, num_experts, bias=router_bias, device=device, dtype=torch.float32)
         self.experts = GroupedExperts(dim, hidden_dim, num_experts, bias=bias, activation=activation,

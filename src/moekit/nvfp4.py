@@ -394,7 +394,13 @@ def to_blocked_ragged_ref(scales: torch.Tensor, offs: torch.Tensor) -> torch.Ten
     for g in range(e):
         start, end = (ends[g - 1] if g else 0), ends[g]
         dst = tile_ends[g - 1] if g else 0
-        padded[dst : dst + max(end - start, 0)] = scales[start:end]
+        # tile by tile, as the kernel reads them: bad offs (past M, negative, decreasing) read no row
+        # outside [0, M) and write no tile past the bound
+        for row0 in range(start, end, TILE_ROWS):
+            n = min(end - row0, TILE_ROWS, m - row0, bound - dst) if row0 >= 0 else 0
+            if n > 0:
+                padded[dst : dst + n] = scales[row0 : row0 + n]
+            dst += TILE_ROWS
     return to_blocked_ref(padded)
 
 

@@ -517,6 +517,9 @@ def grouped_mm_nvfp4_wgrad_fwd(a_values, a_scales, a_global, b_values, b_scales,
     """Validated inputs (float4 / float8 or their uint8 views, any strides) -> (E, M, N): both operands
     dequantized to bf16 with a global scale of 1 (exact), the bf16 ragged-K GEMM into fp32, then
     ``a_global * b_global`` in fp32 and one rounding to ``out_dtype``."""
+    if a_values.shape[1] == 0:  # T = 0: every group is empty
+        return torch.zeros(offs.shape[0], a_values.shape[0], b_values.shape[0], dtype=out_dtype,
+                           device=a_values.device)
     a = _decode_rows(a_values, a_scales, torch.bfloat16)  # (M, T)
     b = _decode_rows(b_values, b_scales, torch.bfloat16)  # (N, T)
     out = grouped_mm(a, b.T, offs, out_dtype=torch.float32)  # (E, M, N); empty groups zero

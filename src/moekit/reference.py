@@ -41,7 +41,8 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
 def _bounds(offs: torch.Tensor, bound: int) -> list[tuple[int, int]]:
     """Each group's [start, end), clamped as the kernels clamp them: end = offs[g] within [0, bound],
     start = offs[g - 1] within [0, end]. Monotonic offs within bounds pass unchanged; others still
-    give in-bounds ranges (their rows' values are unspecified, the shapes are not)."""
+    give in-bounds ranges, and the values of the rows they cover are unspecified, the shapes not
+    (the kernels also zero the rows past offs[-1], which such a range can overlap)."""
     if torch.compiler.is_compiling():
         raise RuntimeError(
             "moekit: the pure-PyTorch reference reads offs on the host and cannot be traced by torch.compile; "
@@ -131,13 +132,14 @@ def grouped_mm_downproj_ref(
 ):
     """Reference for :func:`moekit.grouped_mm_downproj`: h @ w_down[g] + bias[g].
 
-    With ``aux_biased_acc``, h is recomputed as SwiGLU(aux) (times ``row_scale``: the same values), so
-    that autograd carries the gradient through aux (and row_scale): the fused op's contract."""
+    With ``aux_biased_acc``, the forward uses h as given, as the kernels do, and autograd carries the
+    gradient through SwiGLU(aux) (times ``row_scale``) instead of h: the fused op's contract."""
     if row_scale is not None and aux_biased_acc is None:
         raise ValueError(ROW_SCALE_ERROR)
     if aux_biased_acc is not None:
         spec = SwiGLU(swiglu_alpha, swiglu_limit, swiglu_linear_offset, gate_up_layout)
-        h = _scaled_swiglu(aux_biased_acc, spec, row_scale, offs, h.dtype)
+        s = _scaled_swiglu(aux_biased_acc, spec, row_scale, offs, h.dtype)
+        h = h.detach() + (s - s.detach())  # h's values, SwiGLU(aux)'s gradient
     cdt = _compute_dtype(h, w_down)
     out = grouped_mm_ref(h, w_down, offs, out_dtype=cdt)
     if bias is not None:

@@ -33,6 +33,7 @@ from ._kernels.routing import (
     _topk_weights_grad_kernel,
 )
 from .dispatch import custom_op
+from .validation import unit_columns
 
 _BLOCK = 128  # routed entries per program of the metadata kernels
 
@@ -202,6 +203,7 @@ def scatter_weights_fwd(weights: torch.Tensor, row_of: torch.Tensor) -> torch.Te
 def gather_rows_with_ones(x: torch.Tensor, token_idx: torch.Tensor) -> torch.Tensor:
     """x (T, D), token_idx (R,) int32 -> [x[token_idx] | 1] as a (R, D + 1) view of a buffer whose rows
     are padded to a multiple of 64 elements (``index_select`` cannot write into such a buffer)."""
+    x = unit_columns(x)
     r, d = token_idx.numel(), x.shape[1]
     cols = triton.cdiv(d + 1, 64) * 64
     out = config.empty((r, cols), dtype=x.dtype, device=x.device)
@@ -465,6 +467,16 @@ _gather_op.register_autograd(_gather_backward, setup_context=_gather_setup)
 # --------------------------------------------------------------------------------------------------
 
 
+def check_router_args(name: str, num_experts: int, top_k, score_func: str) -> None:
+    """The router's settings, checked where they are given (a block's constructor, ``topk_router``)."""
+    if not isinstance(top_k, int) or isinstance(top_k, bool):
+        raise TypeError(f"{name}: top_k must be a Python int, got {type(top_k).__name__}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"{name}: top_k must be in [1, {num_experts}], got {top_k}")
+    if score_func not in ("softmax", "sigmoid"):
+        raise ValueError(f"{name}: score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
+
+
 def topk_router(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -488,10 +500,9 @@ def topk_router(
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
         raise ValueError(f"topk_router: x (T, D) and weight (E, D), got {tuple(x.shape)} and {tuple(weight.shape)}")
     num_experts = weight.shape[0]
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"topk_router: top_k must be in [1, {num_experts}], got {top_k}")
-    if score_func not in ("softmax", "sigmoid"):
-        raise ValueError(f"topk_router: score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
+    check_router_args("topk_router", num_experts, top_k, score_func)
+    if any(t is not None and t.device != x.device for t in (weight, bias, expert_bias)):
+        raise ValueError("topk_router: x, weight, bias and expert_bias must be on one device")
     if not aux_loss:  # one op, which saves no (T, E) tensor
         weights, experts = _router_op(x, weight, bias, expert_bias, top_k, score_func == "sigmoid", renormalize)
         counts, offs, token_idx, row_of = _metadata(experts, num_experts)
@@ -507,7 +518,7 @@ def topk_router(
         experts = experts.to(torch.int32)
     counts, offs, token_idx, row_of = _metadata(experts, num_experts)  # the chosen ids are all in range
     frac = counts.float() / max(experts.numel(), 1)
-    loss = num_experts * (frac * scores.mean(0)).sum()
+    loss = num_experts * (frac * (scores.sum(0) / max(scores.shape[0], 1))).sum()  # 0, not NaN, for no tokens
     return Routing(weights, experts, counts, offs, token_idx, row_of, loss)
 
 
@@ -594,17 +605,21 @@ def _metadata(experts: torch.Tensor, num_experts: int):
 
 def routing_metadata(experts: torch.Tensor, num_experts: int):
     """(counts (E,), offs (E,), token_idx (R,), row_of (T, K)), all int32, for (T, K) expert ids chosen
-    elsewhere (e.g. by a model's own router): the expert-sorted order of a stable argsort, from the Triton
-    kernels where they run.
+    elsewhere (e.g. by a model's own router; (T,) ids, one choice per token, give a (T,) row_of): the
+    expert-sorted order of a stable argsort, from the Triton kernels where they run.
 
     An id outside [0, E) (a "not on this rank" sentinel of expert parallelism: E in Hugging Face's,
     -1 in :class:`moekit.distributed.ExpertParallelMoE`; or a bad id) is dropped without a sync: it is
     sorted after every expert's rows, past ``offs[-1]``, where the grouped GEMMs compute nothing and
     output zeros, so it contributes nothing to a combine."""
-    ids = experts.to(torch.int32)
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 0:
+        raise TypeError(f"routing_metadata: num_experts must be a Python int >= 0, got {num_experts!r}")
+    if experts.dim() not in (1, 2):
+        raise ValueError(f"routing_metadata: expert ids (T, K) or (T,) (one choice each), got {tuple(experts.shape)}")
+    ids = experts.to(torch.int32).reshape(experts.shape[0], experts.shape[1] if experts.dim() == 2 else 1)
     ids = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
     counts, offs, token_idx, row_of = _metadata(ids, num_experts + 1)  # the extra group: dropped ids
-    return counts[:num_experts], offs[:num_experts], token_idx, row_of
+    return counts[:num_experts], offs[:num_experts], token_idx, row_of.view(experts.shape)
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor | None, row_of: torch.Tensor) -> torch.Tensor:
@@ -653,7 +668,15 @@ class _SortedWeightsFn(torch.autograd.Function):
 
 def sorted_weights(weights: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
     """(T, K) routing weights -> (R,) float32 in expert-sorted row order: out[row_of[t, k]] = weights[t, k].
-    Differentiable (the backward gathers); row_of must be a permutation of [0, R), as the router's is."""
+    Differentiable (the backward gathers); row_of must be a permutation of [0, R), as the router's is
+    (its values are not checked: that would read the device)."""
+    if weights.dim() != 2 or weights.shape != row_of.shape:
+        raise ValueError(f"sorted_weights: weights and row_of of one shape (T, K), got {tuple(weights.shape)} "
+                         f"and {tuple(row_of.shape)}")
+    if not weights.is_floating_point() or row_of.dtype != torch.int32:
+        raise TypeError(f"sorted_weights: float weights and int32 row_of, got {weights.dtype} and {row_of.dtype}")
+    if weights.device != row_of.device:
+        raise ValueError("sorted_weights: weights and row_of must be on one device")
     return _SortedWeightsFn.apply(weights, row_of)
 
 
@@ -666,7 +689,16 @@ def gather_token_rows(x: torch.Tensor, token_idx: torch.Tensor, row_of: torch.Te
     """x (T, D) -> (R, D) with row r = x[token_idx[r]], given both directions of the map: token_idx (R,)
     and row_of (T, K) int32, where the non-negative row_of[t, k] are the rows of token t
     (token_idx[row_of[t, k]] = t), each named once, and every row is named. The backward sums
-    dx[t] = sum_k grad[row_of[t, k]] without atomics."""
+    dx[t] = sum_k grad[row_of[t, k]] without atomics. (The maps' values are not checked: that would
+    read the device.)"""
+    if x.dim() != 2 or token_idx.dim() != 1 or row_of.dim() != 2 or row_of.shape[0] != x.shape[0]:
+        raise ValueError(f"gather_token_rows: x (T, D), token_idx (R,) and row_of (T, K), got {tuple(x.shape)}, "
+                         f"{tuple(token_idx.shape)} and {tuple(row_of.shape)}")
+    if token_idx.dtype != torch.int32 or row_of.dtype != torch.int32:
+        raise TypeError(f"gather_token_rows: token_idx and row_of must be int32, got {token_idx.dtype} and "
+                        f"{row_of.dtype}")
+    if len({x.device, token_idx.device, row_of.device}) != 1:
+        raise ValueError("gather_token_rows: x, token_idx and row_of must be on one device")
     if not config.uses_triton(x.device):
         return x[token_idx.long()]
-    return _gather_op(x, token_idx, row_of)
+    return _gather_op(x.contiguous(), token_idx.contiguous(), row_of.contiguous())

@@ -86,6 +86,12 @@ def check_offs(offs: torch.Tensor, bound: int) -> None:
 
 
 
+def unit_columns(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a unit column stride, for the elementwise and row kernels that take only a row stride:
+    copied only when its columns are strided (a column-major gradient, say)."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
 def matrix_ready(t: torch.Tensor) -> torch.Tensor:
     """Gradients can arrive expanded (stride 0) or misaligned; copy only then (shape-level test, so
     it also traces under torch.compile)."""

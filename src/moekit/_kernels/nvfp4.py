@@ -362,5 +362,6 @@ def _to_blocked_ragged_kernel(
     row0 = tl.sum(tl.where(mine, starts, 0), 0) + local * 128
     n_rows = tl.where(tl.sum(mine.to(tl.int32), 0) > 0, tl.sum(tl.where(mine, counts, 0), 0) - local * 128, 0)
     n_rows = tl.minimum(n_rows, M - row0)  # offs past M: read no row outside src
+    n_rows = tl.where(row0 >= 0, n_rows, 0)  # nor before it (negative offs)
     dst = out + rt.to(tl.int64) * tiles_per_row * TILE_BYTES
     _blocked_tiles(src, dst, row0, n_rows, cols, stride_r, stride_c, cb * BLOCK_T, tiles_per_row, BLOCK_T)
