@@ -101,6 +101,13 @@ def test_blocked_scales_of_bad_offs(interpreter, offs):
     assert torch.equal(k.view(torch.uint8), r.view(torch.uint8))
 
 
+def test_a_block_takes_column_major_tokens(interpreter):
+    moe = moekit.MoE(32, 24, 4, 2, dtype=BF16)
+    x = torch.randn(32, 8).to(BF16).t()
+    for strided, dense in _both(lambda: (moe(x), moe(x.contiguous()))):
+        assert torch.equal(strided, dense)
+
+
 def test_meta_tensors_take_the_reference(interpreter):
     for y in _both(lambda: moekit.swiglu(torch.empty(16, 48, dtype=BF16, device="meta"))):
         assert y.device.type == "meta" and y.shape == (16, 24)
@@ -133,6 +140,7 @@ BAD_INPUTS = {
     "fp32 aux": (ValueError, lambda: moekit.grouped_mm_downproj(
         torch.randn(16, 24).to(BF16), torch.randn(2, 24, 32).to(BF16), offs_from_counts([8, 8]),
         aux_biased_acc=torch.randn(16, 48))),
+    "fp32 tokens into a block": (TypeError, lambda: moekit.MoE(32, 24, 4, 2)(torch.randn(8, 32))),
     "a block with top_k = 0": (ValueError, lambda: moekit.MoE(32, 24, 4, 0)),
     "a block with top_k > E": (ValueError, lambda: moekit.MoE(32, 24, 4, 5)),
     "a block with a relu router": (ValueError, lambda: moekit.MoE(32, 24, 4, 2, score_func="relu")),

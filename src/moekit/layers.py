@@ -8,6 +8,7 @@ from torch import nn
 from .experts import grouped_mm_downproj, grouped_mm_swiglu
 from .nvfp4_train import NVFP4Training
 from .routing import check_router_args, combine, sorted_weights, topk_router
+from .validation import unit_columns
 
 ACTIVATIONS = {
     "gpt-oss": dict(swiglu_alpha=1.702, swiglu_limit=7.0, swiglu_linear_offset=1.0),  # clamped, +1 on the linear half
@@ -93,6 +94,9 @@ class GroupedExperts(nn.Module):
         offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32) if offs_E is None else offs_E
         if self.nvfp4 is not None:
             return self.nvfp4.experts(self, x_RD, offs, token_idx_R, row_scale_R)
+        if x_RD.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"{type(self).__name__}: tokens must be bfloat16 or float16 (the experts compute in "
+                            f"16-bit with fp32 accumulation; fp32 weights are cast), got {x_RD.dtype}")
         w1, w2 = self.mlp1_weight_EGD, self.mlp2_weight_EDF
         if w1.dtype != x_RD.dtype:
             w1, w2 = w1.to(x_RD.dtype), w2.to(x_RD.dtype)
@@ -170,7 +174,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
+        x2 = unit_columns(x.reshape(-1, shape[-1]))
         r = topk_router(
             x2, self.router.weight, self.router.bias, top_k=self.top_k, score_func=self.score_func,
             renormalize=self.renormalize, expert_bias=self.expert_bias, aux_loss=self.use_aux_loss,
