@@ -87,6 +87,12 @@ HF_FAMILIES = {
                 dict(hidden_size=64, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)),
     "gpt-oss": ("gpt_oss", "GptOssExperts", "GptOssConfig",
                 dict(hidden_size=64, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)),
+    "olmoe": ("olmoe", "OlmoeExperts", "OlmoeConfig",
+              dict(hidden_size=64, intermediate_size=32, num_experts=8, num_experts_per_tok=2)),
+    "deepseek-v2": ("deepseek_v2", "DeepseekV2Experts", "DeepseekV2Config",
+                    dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2)),
+    "deepseek-v3": ("deepseek_v3", "DeepseekV3Experts", "DeepseekV3Config",
+                    dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2)),
 }
 
 
