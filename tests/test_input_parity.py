@@ -86,6 +86,25 @@ def test_downproj_forward_uses_h_as_given(interpreter):
     assert _rel(k, r) < 0.01
 
 
+@pytest.mark.parametrize("k, n", [(0, 24), (32, 0)], ids=["K=0", "N=0"])
+def test_empty_reductions_and_outputs(interpreter, k, n):
+    """K = 0 (zeros) or N = 0 (an empty output), forward and backward: the layout check no longer
+    rejects an empty tensor's strides, and both paths agree."""
+    offs = offs_from_counts([8, 8])
+
+    def run():
+        a = torch.randn(16, k).to(BF16).requires_grad_()
+        b = torch.randn(2, k, n).to(BF16).requires_grad_()
+        out = moekit.grouped_mm(a, b, offs)
+        out.float().sum().backward()
+        return out, a.grad, b.grad
+
+    for got, want in zip(*_both(run), strict=True):
+        assert got.shape == want.shape and not got.any() and not want.any()
+    h, aux = moekit.grouped_mm_swiglu(torch.randn(16, k).to(BF16), torch.randn(2, k, 2 * n).to(BF16), offs)
+    assert h.shape == (16, n) and aux.shape == (16, 2 * n)
+
+
 def test_nvfp4_wgrad_of_no_tokens(interpreter):
     q = nvfp4.quantize(torch.randn(8, 0))
     k, r = _both(lambda: moekit.grouped_mm_nvfp4_wgrad(*q, *q, torch.zeros(2, dtype=torch.int32)))

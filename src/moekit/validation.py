@@ -10,7 +10,10 @@ ALIGN = 16  # bytes: TMA base/stride alignment, and the contract torch._grouped_
 
 
 def check_layout(name: str, t: torch.Tensor) -> None:
-    """One of the two matrix dims must have unit stride; every other stride and the base 16-byte aligned."""
+    """One of the two matrix dims must have unit stride; every other stride and the base 16-byte aligned
+    (an empty tensor has no layout to check)."""
+    if t.numel() == 0:
+        return
     item = t.element_size()
     inner = t.stride()[-2:]
     if 1 not in inner and not (t.shape[-1] <= 1 or t.shape[-2] <= 1):
