@@ -489,8 +489,11 @@ def _check_expert_inputs(name, x, w, offs, bias, n_bias):
         raise ValueError(f"{name}: K mismatch, x {tuple(x.shape)} vs w {tuple(w.shape)}")
     if w.shape[0] == 0:
         raise ValueError(f"{name}: w must hold at least one expert (E >= 1), got {tuple(w.shape)}")
-    if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or offs.shape != (w.shape[0],):
-        raise TypeError(f"{name}: offs must be an int32 tensor of shape (E,) = ({w.shape[0]},)")
+    if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32:
+        got = offs.dtype if isinstance(offs, torch.Tensor) else type(offs).__name__
+        raise TypeError(f"{name}: offs must be an int32 tensor, got {got}")
+    if offs.shape != (w.shape[0],):
+        raise ValueError(f"{name}: offs must have shape (E,) = ({w.shape[0]},), got {tuple(offs.shape)}")
     if len({x.device, w.device, offs.device} | ({bias.device} if bias is not None else set())) != 1:
         raise ValueError(f"{name}: all tensors must be on one device")
     if bias is not None and (bias.shape != (w.shape[0], n_bias) or bias.stride(-1) != 1):
