@@ -377,6 +377,14 @@ def test_moe_balancing_state(interpreter):
     assert moe.tokens_per_expert.sum() == 0 and moe.expert_bias.abs().sum() > 0
 
 
+def test_routed_counts_stay_exact_under_a_cast(interpreter):
+    """A cast of the whole block (``.to(torch.bfloat16)``) leaves the routed counts int64: a bf16 count
+    stops counting exactly past 256."""
+    moe = MoE(16, 8, 4, 2).to(BF16)
+    moe(torch.randn(300, 16).to(BF16))
+    assert moe.tokens_per_expert.dtype == torch.int64 and moe.tokens_per_expert.sum() == 600
+
+
 def test_bias_free_block_has_no_bias_parameters():
     moe = MoE(16, 8, 4, 2, **BLOCKS["plain"])
     assert set(dict(moe.named_parameters())) == {"router.weight", "experts.mlp1_weight_EGD", "experts.mlp2_weight_EDF"}

@@ -36,8 +36,8 @@ def test_warmup_leaves_the_module_as_it_was(interpreter, kw):
     warm, cold = _moe(**kw), _moe(**kw)
     x = torch.randn(9, 32, dtype=torch.bfloat16)
     with torch.no_grad():  # buffers that are not zero, to see them restored
-        warm.tokens_per_expert += torch.arange(4.0)
-        cold.tokens_per_expert += torch.arange(4.0)
+        warm.tokens_per_expert += torch.arange(4)
+        cold.tokens_per_expert += torch.arange(4)
     warm.aux_loss = cold.aux_loss = "before"
     moekit.warmup(warm, x)
     assert all(p.grad is None for p in warm.parameters())

@@ -356,7 +356,8 @@ class ExpertParallelMoE(nn.Module):
         self.experts = GroupedExperts(dim, hidden_dim, self.local_experts, bias=bias, activation=activation,
                                       device=device, dtype=dtype, **experts_kw)
         self.register_buffer("expert_bias", torch.zeros(num_experts, device=device), persistent=True)
-        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, device=device), persistent=False)
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64, device=device),
+                             persistent=False)
         self.aux_loss = None
 
     @classmethod
@@ -450,6 +451,7 @@ class ExpertParallelMoE(nn.Module):
         group, a collective), so that ``expert_bias`` stays replicated."""
         load = self.tokens_per_expert.clone()
         dist.all_reduce(load, group=self.group)
+        load = load.float()
         self.expert_bias += rate * torch.sign(load.mean() - load)
         self.tokens_per_expert.zero_()
 

@@ -130,8 +130,9 @@ class MoE(nn.Module):
     the combine is a plain sum over each token's K rows. The weights' gradient then comes out of the
     SwiGLU backward pass, and the (T*K, D) expert output is neither saved nor re-read.
 
-    - Router: gate ``Linear(D, E, bias=router_bias)`` held in fp32; logits in fp32 (bf16 operands on
-      the tensor cores with fp32 accumulation where the input is bf16 on a GPU), ``score_func``
+    - Router: gate ``Linear(D, E, bias=router_bias)`` created in fp32 (a cast of the module casts it
+      too); logits in fp32 (bf16 operands on the tensor cores with fp32 accumulation where the input
+      is bf16 and the gate fp32 on a GPU), ``score_func``
       "softmax" or "sigmoid", top-k, and the chosen scores renormalized to sum to 1 when
       ``renormalize``.
     - Balancing: ``aux_loss=True`` leaves the switch-style load-balancing loss of the last forward in
@@ -169,7 +170,9 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim, hidden_dim, num_experts, bias=bias, activation=activation,
                                       device=device, dtype=dtype, **experts_kw)
         self.register_buffer("expert_bias", torch.zeros(num_experts, device=device), persistent=True)
-        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, device=device), persistent=False)
+        # routed counts: int64, exact, and untouched by a cast of the module's floating-point tensors
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64, device=device),
+                             persistent=False)
         self.aux_loss = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -192,7 +195,7 @@ class MoE(nn.Module):
     @torch.no_grad()
     def update_expert_bias(self, rate: float = 1e-3) -> None:
         """Aux-loss-free balancing step: raise the bias of under-loaded experts, lower the others."""
-        load = self.tokens_per_expert
+        load = self.tokens_per_expert.float()
         self.expert_bias += rate * torch.sign(load.mean() - load)
         self.tokens_per_expert.zero_()
 
