@@ -15,7 +15,6 @@ from moekit import (
     grouped_mm_swiglu,
     grouped_mm_swiglu_ref,
 )
-from moekit._kernels.hopper_modes import Epilogue
 from moekit.bench.baselines import TorchtitanExperts
 from moekit.epilogue import SwiGLU
 from moekit.experts import (
@@ -126,10 +125,13 @@ def test_row_scale_against_float64(layout, save_h):
 @pytest.mark.parametrize("w_layout", ["EFD", "EDF"], ids=["w-k-major", "w-n-major"])
 @pytest.mark.parametrize("f, ones_col", [(1000, True), (1000, False), (768, False)],
                          ids=["ones-col", "partial-tile", "full-tiles"])
-def test_warp_specialized_dswiglu_dgrad(monkeypatch, w_layout, f, ones_col):
-    """The down-projection's dgrad with the dSwiGLU epilogue (one warp-specialized GEMM, opt-in)
-    against the warp-specialized plain dgrad followed by the pass: the same dH bits, so the same d_aux and h bit for
-    bit. Empty experts, a group of one row, rows past offs[-1] (aux NaN there), clamp-heavy aux."""
+@pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "row-scales"])
+def test_warp_specialized_dswiglu_dgrad(monkeypatch, w_layout, f, ones_col, scaled):
+    """The down-projection's dgrad with the dSwiGLU epilogue (one warp-specialized GEMM with an epilogue
+    partition) against the warp-specialized plain dgrad followed by the pass: the same dH bits, so the
+    same d_aux and h bit for bit, and the row scales' gradient to fp32 rounding (summed in another
+    order). Outputs poisoned; empty experts, a group of one row, rows past offs[-1] (aux NaN there),
+    clamp-heavy aux."""
     if not config.use_warp_specialized(torch.device(DEV)):
         pytest.skip("needs an sm_90 GPU with Gluon")
     counts = [700, 0, 1, 1300, 255, 0, 2048, 33]
@@ -140,15 +142,16 @@ def test_warp_specialized_dswiglu_dgrad(monkeypatch, w_layout, f, ones_col):
     aux[sum(counts):] = float("nan")
     w = torch.randn(e, f, d, device=DEV) / d**0.5
     w = w.to(BF16) if w_layout == "EFD" else w.mT.contiguous().to(BF16).mT
-    spec = SwiGLU()
-    epilogues = []
-    launch = experts.ws_gemm
-    monkeypatch.setattr(experts, "ws_gemm", lambda *a, **k: epilogues.append(k.get("epilogue")) or launch(*a, **k))
-    with moekit.options(fused_dswiglu=True):  # opt-in
-        d_aux, h, _ = experts.grouped_mm_dswiglu(grad, w, offs, aux, spec, ones_col=ones_col)
-    assert epilogues == [Epilogue.DSWIGLU], epilogues
+    scale = torch.rand(m, device=DEV) + 0.5 if scaled else None
+    spec = SwiGLU(alpha=1.702, limit=7.0, linear_offset=1.0)  # gpt-oss's clamps: both masks matter
+    launches = []
+    launch = experts.ws_dswiglu
+    monkeypatch.setattr(experts, "ws_dswiglu", lambda *a, **k: launches.append(1) or launch(*a, **k))
+    with moekit.options(fused_dswiglu=True, poison=True):
+        d_aux, h, dscale = experts.grouped_mm_dswiglu(grad, w, offs, aux, spec, ones_col=ones_col, scale=scale)
+    assert launches == [1], launches
     dh = grouped_gemm.grouped_mm_fwd(grad, w.mT, offs)
-    want_aux, want_h, _ = experts.swiglu_bwd(aux, dh, spec, with_h=True, ones_col=ones_col)
+    want_aux, want_h, want_ds = experts.swiglu_bwd(aux, dh, spec, with_h=True, ones_col=ones_col, scale=scale)
     assert d_aux.shape == want_aux.shape and h.shape == want_h.shape and h.stride() == want_h.stride()
     assert not d_aux.isnan().any() and not h.isnan().any()
     tail = sum(counts)  # rows of no group: zeros here, whatever the pass made of aux's NaN there
@@ -156,6 +159,11 @@ def test_warp_specialized_dswiglu_dgrad(monkeypatch, w_layout, f, ones_col):
     assert not d_aux[tail:].any() and not h[tail:].any()
     if ones_col:
         assert (h[:tail, f] == 1).all()
+    if scaled:
+        assert dscale.shape == (m,) and dscale.dtype == torch.float32 and not dscale[tail:].any()
+        torch.testing.assert_close(dscale[:tail], want_ds[:tail], rtol=1e-5, atol=1e-4)
+    else:
+        assert dscale is None
 
 
 def _module_step(ex, x, counts, dy):

@@ -38,7 +38,7 @@ from .descriptors import TensorDescriptor, row_bounded, tma_ok, weight_descripto
 from .dispatch import custom_op
 from .epilogue import SwiGLU
 from .grouped_gemm import _grouped_mm_op, _op_mm, _ragged_k, _ragged_m, grouped_mm_fwd, k_major, weight_grad
-from .hopper import ws_dswiglu_ok, ws_gemm, ws_ok
+from .hopper import ws_dswiglu, ws_dswiglu_ok, ws_gemm, ws_ok
 from .reference import H_GRADIENT_ERROR, ROW_SCALE_ERROR, grouped_mm_downproj_ref, grouped_mm_swiglu_ref, swiglu_ref
 from .routing import _gather_bwd_op, _gather_op, gather_rows_with_ones
 from .validation import check_layout, matrix_ready, unit_columns
@@ -140,12 +140,12 @@ def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = Fal
     f = two_f // 2
     w_t = w.mT
     h_cols = triton.cdiv(f + 1, 64) * 64 if ones_col else f  # as swiglu_bwd pads it
-    fused = config.fused_dswiglu() and scale is None and not spec.halves
+    fused = config.fused_dswiglu() and not spec.halves
     if fused and m and f and ws_dswiglu_ok(grad, w_t, aux, h_cols):
         d_aux = config.empty((m, two_f), dtype=aux.dtype, device=aux.device)
         h = config.empty((m, h_cols), dtype=aux.dtype, device=aux.device)
-        ws_gemm(grad, w_t, offs, d_aux, epilogue=Epilogue.DSWIGLU, out2=h, aux=aux, spec=spec)
-        return d_aux, h[:, : f + 1] if ones_col else h, None
+        dscale = ws_dswiglu(grad, w_t, offs, aux, d_aux, h, spec, scale=scale)
+        return d_aux, h[:, : f + 1] if ones_col else h, dscale
     dh = grouped_mm_fwd(grad, w_t, offs)
     return swiglu_bwd(aux, dh, spec, with_h=True, ones_col=ones_col, scale=scale)
 

@@ -36,7 +36,7 @@ def ws_rows_ragged(a, b, out, b_trans: bool) -> bool:
 
 def ws_dswiglu_ok(a, b, aux, h_cols: int) -> bool:
     """Whether the down-projection's dgrad a (M, K) @ b (E, K, N) takes the warp-specialized kernel
-    with the dSwiGLU epilogue (``ws_gemm(..., epilogue=Epilogue.DSWIGLU)``), writing into fresh row-major
+    with the dSwiGLU epilogue (``ws_dswiglu``), writing into fresh row-major
     d_aux (M, 2N) and h (M, h_cols) (d_aux's rows are aux's)."""
     (m, _), (e, _, n) = a.shape, b.shape
     return (m >= WS_MIN_ROWS * e and h_cols <= triton.cdiv(n, WS_TILE[1]) * WS_TILE[1]
@@ -93,7 +93,7 @@ def ws_rows_setup(a, b, offs, c, out2, *, box_n: int):
     return a_desc, b_desc, table, min(config.num_sms(a.device), max_row_tiles * triton.cdiv(n, bn))
 
 
-def ws_gemm(a, b, offs, c, *, epilogue: Epilogue = Epilogue.PLAIN, bias=None, out2=None, aux=None, spec=None):
+def ws_gemm(a, b, offs, c, *, epilogue: Epilogue = Epilogue.PLAIN, bias=None, out2=None, spec=None):
     """Rows-ragged GEMM on the warp-specialized Hopper kernel (check ``ws_ok`` first).
 
     a (M, K) bf16 row-major; b (E, K, N) with a unit stride along K or N; bias (E, N) or None.
@@ -101,44 +101,66 @@ def ws_gemm(a, b, offs, c, *, epilogue: Epilogue = Epilogue.PLAIN, bias=None, ou
     * Epilogue.PLAIN: c (M, N) = a @ b[g] (+ bias).
     * Epilogue.SWIGLU: c = aux (M, N) and out2 = h = SwiGLU(aux) (M, N / 2), gate and linear columns
       interleaved.
-    * Epilogue.DSWIGLU (the down-projection's dgrad): dH = a @ b[g] (M, N) is never stored; from it and
-      ``aux`` (M, 2N), c = d_aux = dSwiGLU(aux) * dH (M, 2N) and out2 = h = SwiGLU(aux), (M, N2)
-      with N2 >= N: column N of out2 is ones when N2 > N (N2 must then stay within the last
-      256-column tile), later columns are zeros.
 
     Rows past offs[-1] of c and out2 are zero."""
     from ._kernels import hopper_gemm as hk  # Gluon: imported only where it runs
 
     (m, k), n = a.shape, b.shape[2]
     bm, bn, bk = WS_TILE
-    dsw = epilogue == Epilogue.DSWIGLU
     out2 = c if out2 is None else out2
-    box_n = bn // 2 if dsw else bn  # DSWIGLU: one B box per accumulator
-    a_desc, b_desc, table, programs = ws_rows_setup(a, b, offs, c, out2, box_n=box_n)
-    b_trans = b.stride(2) != 1
-    # aux / d_aux as int32 words of bf16 pairs
-    c_arg = c.view(torch.int32) if epilogue in (Epilogue.SWIGLU, Epilogue.DSWIGLU) else c
-    sw = spec.constexprs() if spec is not None else dict(ALPHA=1.0, LIMIT=None, OFFSET=0.0)
-    # The tile stride is the device's program count, not this launch's grid (min of it and the tiles):
-    # correct either way (a grid below it covers every tile in one pass), and a constexpr that does not
-    # follow M, N and E keeps one compiled kernel per device instead of one per small problem size.
-    common = dict(NUM_SMS=config.num_sms(a.device), GROUP_M=WS_GROUP_M, STAGES=WS_STAGES, B_TRANS=b_trans,
-                  ALPHA=sw["ALPHA"], LIMIT=sw["LIMIT"], OFFSET=sw["OFFSET"], maxnreg=168)
-    if dsw:  # one 8-warp consumer partition (hopper_gemm.py)
-        aux_desc = ws_desc(aux, [m, aux.shape[1]], [aux.stride(0), 1], [bm, bn])
-        hk._grouped_mm_ws_dswiglu_kernel[(programs,)](
-            a_desc, b_desc, aux_desc, c_arg, c_arg.stride(0), out2, out2.stride(0), table, n, out2.shape[1], k,
-            num_warps=8, **common,
-        )
-        return c
+    a_desc, b_desc, table, programs = ws_rows_setup(a, b, offs, c, out2, box_n=bn)
+    # aux as int32 words of bf16 pairs
+    c_arg = c.view(torch.int32) if epilogue == Epilogue.SWIGLU else c
     c_desc = ws_desc(c, [m, c.shape[1]], [c.stride(0), 1], [bm // 2, bn])
     hk._grouped_mm_ws_kernel[(programs,)](
         a_desc, b_desc, c_desc,
         c_arg, c_arg.stride(0), out2, out2.stride(0),
         bias if bias is not None else c, bias.stride(0) if bias is not None else 0, table, c,
-        n, k, HAS_BIAS=bias is not None, EPILOGUE=int(epilogue), num_warps=4, **common,
+        n, k, HAS_BIAS=bias is not None, EPILOGUE=int(epilogue), num_warps=4, **_ws_constexprs(a, b, spec),
+        maxnreg=168,
     )
     return c
+
+
+def _ws_constexprs(a, b, spec) -> dict:
+    """The constexprs every rows-ragged warp-specialized launch passes. The tile stride is the device's
+    program count, not this launch's grid (min of it and the tiles): correct either way (a grid below
+    it covers every tile in one pass), and a constexpr that does not follow M, N and E keeps one
+    compiled kernel per device instead of one per small problem size."""
+    sw = spec.constexprs() if spec is not None else dict(ALPHA=1.0, LIMIT=None, OFFSET=0.0)
+    return dict(NUM_SMS=config.num_sms(a.device), GROUP_M=WS_GROUP_M, STAGES=WS_STAGES, B_TRANS=b.stride(2) != 1,
+                ALPHA=sw["ALPHA"], LIMIT=sw["LIMIT"], OFFSET=sw["OFFSET"])
+
+
+def ws_dswiglu(a, b, offs, aux, d_aux, h, spec, *, scale=None):
+    """The down-projection's dgrad with the SwiGLU backward (``_kernels/hopper_dswiglu.py``); check
+    ``ws_dswiglu_ok`` first. a = dOut (M, K) bf16 row-major, b (E, K, N) with a unit stride along K
+    or N, aux (M, 2N) interleaved (gate, linear) pairs, scale (M,) fp32 row scales or None.
+
+    dH = a @ b[g] is never stored. Writes d_aux = dSwiGLU(aux) * (s * dH) (M, 2N) and h = s * SwiGLU(aux)
+    (M, N2), N2 >= N: column N of h is ones when N2 > N (N2 within the last 256-column tile), later
+    columns zeros; rows past offs[-1] of both are zeros. Returns d_scale (M,) fp32 = <dH, SwiGLU(aux)>
+    per row (zero past offs[-1]) with ``scale``, else None."""
+    from ._kernels import hopper_dswiglu as hd  # Gluon: imported only where it runs
+
+    (m, k), n = a.shape, b.shape[2]
+    bm, bn, _ = WS_TILE
+    a_desc, b_desc, table, programs = ws_rows_setup(a, b, offs, d_aux, h, box_n=bn)
+    staging = _staging_tile(a.device)
+    c_desc = ws_desc(staging, list(staging.shape), [staging.stride(0), 1], [bm // 2, bn])
+    tiles_n = triton.cdiv(n, bn)
+    # one partial row sum per column tile, added up below; rows past offs[-1] are in no tile
+    parts = None if scale is None else torch.zeros(tiles_n, m, dtype=torch.float32, device=a.device)
+    aux_w, d_aux_w = aux.view(torch.int32), d_aux.view(torch.int32)
+    hd._grouped_mm_ws_dswiglu_kernel[(programs,)](
+        a_desc, b_desc, c_desc, aux_w, aux_w.stride(0), d_aux_w, d_aux_w.stride(0), h, h.stride(0),
+        scale if scale is not None else h, parts if parts is not None else h,
+        table, m, n, h.shape[1], k, HAS_SCALE=scale is not None, num_warps=4, **_ws_constexprs(a, b, spec),
+        maxnreg=168,  # three warpgroups (the kernel module doc)
+    )
+    if parts is None:
+        return None
+    return parts[0] if tiles_n == 1 else parts.sum(0)
 
 
 def ws_swiglu_nvfp4_ok(a, b) -> bool:
@@ -168,14 +190,12 @@ def ws_swiglu_nvfp4(a, b, offs, values, scales, gscale, *, bias=None, spec=None)
     a_desc, b_desc, table, programs = ws_rows_setup(a, b, offs, values, scales, box_n=bn)
     staging = _staging_tile(a.device)
     c_desc = ws_desc(staging, list(staging.shape), [staging.stride(0), 1], [bm // 2, bn])
-    sw = spec.constexprs() if spec is not None else dict(ALPHA=1.0, LIMIT=None, OFFSET=0.0)
     hk._grouped_mm_ws_kernel[(programs,)](
         a_desc, b_desc, c_desc,
         values, values.stride(0), scales, scales.stride(0),
         bias if bias is not None else values, bias.stride(0) if bias is not None else 0, table, gscale,
         n, k, HAS_BIAS=bias is not None, EPILOGUE=int(Epilogue.SWIGLU_NVFP4), num_warps=4,
-        NUM_SMS=config.num_sms(a.device), GROUP_M=WS_GROUP_M, STAGES=WS_STAGES, B_TRANS=b.stride(2) != 1,
-        ALPHA=sw["ALPHA"], LIMIT=sw["LIMIT"], OFFSET=sw["OFFSET"], maxnreg=168,
+        **_ws_constexprs(a, b, spec), maxnreg=168,
     )
     return values, scales
 

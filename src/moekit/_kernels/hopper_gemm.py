@@ -5,10 +5,9 @@
   and of the up-projection's SwiGLU kernel (``experts.py``).
 * ``_grouped_mm_ws_ragged_k_kernel``: ``c[g] = a[:, ks_g:ke_g] @ b[ks_g:ke_g]`` (the weight gradients),
   the contract of ``_grouped_mm_ragged_k_kernel``, including its ones row for a bias gradient.
-* ``_grouped_mm_ws_dswiglu_kernel``: the down-projection's dgrad with the SwiGLU backward in its
-  epilogue (opt-in, the ``fused_dswiglu`` option; see DSWIGLU below).
 
-All three run Hopper's warp-specialized schedule:
+Both run Hopper's warp-specialized schedule (``hopper_dswiglu.py`` builds the down-projection's
+dgrad with the SwiGLU backward from the same parts):
 
 * a TMA warp (the loader) streams A and B tiles into a ring of shared-memory stages, running ahead
   of the math across tile boundaries;
@@ -19,8 +18,7 @@ All three run Hopper's warp-specialized schedule:
 
 Measured alternatives (docs/design.md, section 5): a ping-pong schedule (two consumers taking turns on
 128 x 128 tiles) needs twice the shared-memory and L2 traffic per FLOP and ran at 500-530 TF/s
-against 690 for this one; a separate epilogue warpgroup does not fit, since four warpgroups leave
-128 registers per thread at launch and the 64 x 256 wgmma needs 154.
+against 690 for this one.
 
 Epilogues (``EPILOGUE``):
 
@@ -32,14 +30,6 @@ Epilogues (``EPILOGUE``):
   quantized with 1x16 blocks (``nvfp4_gluon._quantize_blocks``, each thread one 16-column block of a
   row) into c = values (M, N / 4) and out2 = scales (M, N / 32), uint8, with the global scale at
   ``gscale``: the bytes of ``nvfp4.quantize`` of SWIGLU's h.
-* ``DSWIGLU`` (its own kernel): dH = a @ b[g] stays in registers; c is d_aux = dSwiGLU(aux) * dH and
-  out2 is h = SwiGLU(aux), from the tile's aux that the loader warp stages in the epilogue buffer, one
-  column half at a time, the first during the main loop. The tile is held in two accumulators of
-  BN / 2 columns (one B box each) so that each half's epilogue finds its dH whole; one 8-warp
-  consumer partition and a runtime loop over the halves keep the long elementwise epilogue in the
-  instruction cache once. It is correct and bit-equal to the plain dgrad plus the pass, and slower
-  than them on an H100 (4.15 against 3.54 ms at gpt-oss-20b): its epilogue cannot overlap the
-  tensor cores in this schedule (docs/design.md, section 5.6).
 
 Interleaved pairs are read as int32 words (gate in the low half, linear in the high half), so that
 the SwiGLU never needs a stride-2 access or a layout shuffle.
@@ -67,7 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .epilogue import swiglu_apply, swiglu_apply_bwd
+from .epilogue import swiglu_apply
 from .grouped_gemm import ROW_BOUND_BIG, _group_table, _swizzle
 from .hopper_modes import ColSum, Epilogue
 from .nvfp4 import _read_global_scale
@@ -75,7 +65,6 @@ from .nvfp4_gluon import LIFT_BY_SCALE, _quantize_blocks, _store_blocks, _tile_i
 
 PLAIN = tl.constexpr(Epilogue.PLAIN.value)  # the modes, defined once in hopper_modes.py
 SWIGLU = tl.constexpr(Epilogue.SWIGLU.value)
-DSWIGLU = tl.constexpr(Epilogue.DSWIGLU.value)
 SWIGLU_NVFP4 = tl.constexpr(Epilogue.SWIGLU_NVFP4.value)
 COLSUM_NONE = tl.constexpr(ColSum.NONE.value)
 COLSUM_ROW = tl.constexpr(ColSum.ROW.value)
@@ -164,30 +153,18 @@ def _bias_row(bias_ptr, stride_bias, g, pid_n, N, BLOCK_N: gl.constexpr, acc_lay
 
 
 @gluon.jit
-def _load_aux_half(aux_desc, buf, aux_ready, aux_empty, row, col, HALF_J: gl.constexpr):
-    """DSWIGLU: aux half HALF_J of a tile into the epilogue buffer, once the consumers have read the
-    previous half. Every tile loads halves 0 and 1, so the phases are constants."""
-    mbarrier.wait(aux_empty, 1 - HALF_J)
-    mbarrier.expect(aux_ready, aux_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(aux_desc, [row, col], aux_ready, buf)
-
-
-@gluon.jit
-def _load_partition(a_desc, b_desc, aux_desc, a_bufs, b_bufs, bufs, ready, empty, aux_ready, aux_empty,
-                    table, K, tiles_n, NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                    B_TRANS: gl.constexpr, EPILOGUE: gl.constexpr):
+def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, table, K, tiles_n,
+                    NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr):
+    """The loader warp of the rows-ragged kernels: one A box and one B box per ring stage."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = bufs.shape[2]  # of the output tile; DSWIGLU loads B in two boxes
     if B_TRANS:
-        BOX_N: gl.constexpr = b_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
     else:
-        BOX_N: gl.constexpr = b_desc.block_type.shape[2]
-    B_PER_STAGE: gl.constexpr = BLOCK_N // BOX_N
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[2]
     total = gl.load(table) * tiles_n
     k_iters = gl.cdiv(K, BLOCK_K)
-    aux_at = gl.minimum(k_iters, STAGES) - 1  # DSWIGLU: the K step after which aux half 0 loads
-    nbytes: gl.constexpr = a_desc.block_type.nbytes + B_PER_STAGE * b_desc.block_type.nbytes
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     idx = 0
     phase = 1  # the first pass over the ring finds every stage free
     nxt = _tile_clamped(gl.program_id(0), total, table, tiles_n, BLOCK_M, GROUP_M)
@@ -201,37 +178,37 @@ def _load_partition(a_desc, b_desc, aux_desc, a_bufs, b_bufs, bufs, ready, empty
             bar = ready.index(idx)
             mbarrier.expect(bar, nbytes)
             tma.async_copy_global_to_shared(a_desc, [row, k], bar, a_bufs.index(idx))
-            for j in gl.static_range(B_PER_STAGE):
-                if B_TRANS:  # memory (E, N, K)
-                    tma.async_copy_global_to_shared(b_desc, [g, col + j * BOX_N, k], bar,
-                                                    b_bufs.index(B_PER_STAGE * idx + j))
-                else:  # memory (E, K, N)
-                    tma.async_copy_global_to_shared(b_desc, [g, k, col + j * BOX_N], bar,
-                                                    b_bufs.index(B_PER_STAGE * idx + j))
+            if B_TRANS:  # memory (E, N, K)
+                tma.async_copy_global_to_shared(b_desc, [g, col, k], bar, b_bufs.index(idx))
+            else:  # memory (E, K, N)
+                tma.async_copy_global_to_shared(b_desc, [g, k, col], bar, b_bufs.index(idx))
             idx, phase = _advance(idx, phase, STAGES)
-            if EPILOGUE == DSWIGLU:
-                if ki == aux_at:  # early enough to land during the main loop, after its first stages
-                    _load_aux_half(aux_desc, bufs.index(0), aux_ready, aux_empty, row, 2 * col, 0)
-        if EPILOGUE == DSWIGLU:  # half 1 once the consumers have read half 0
-            _load_aux_half(aux_desc, bufs.index(0), aux_ready, aux_empty, row, 2 * col + BLOCK_N, 1)
 
 
 @gluon.jit
-def _shared_state(a_desc, b_desc, c_desc, A_PER_STAGE: gl.constexpr, B_PER_STAGE: gl.constexpr,
-                  STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
-    """Shared memory of the kernels: the ring (A_PER_STAGE A boxes and B_PER_STAGE B boxes per stage),
-    one epilogue buffer (a c_desc box) per consumer partition, and the ready / empty barriers of each
-    stage (every consumer partition frees every stage)."""
+def _ring_state(a_desc, b_desc, A_PER_STAGE: gl.constexpr, B_PER_STAGE: gl.constexpr, STAGES: gl.constexpr,
+                CONSUMERS: gl.constexpr):
+    """The ring in shared memory (A_PER_STAGE A boxes and B_PER_STAGE B boxes per stage) and the
+    ready / empty barriers of each stage (every consumer partition frees every stage)."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [A_PER_STAGE * STAGES] + a_desc.block_type.shape,
                                        a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [B_PER_STAGE * STAGES] + b_desc.block_type.shape,
                                        b_desc.layout)
-    bufs = gl.allocate_shared_memory(c_desc.dtype, [CONSUMERS] + c_desc.block_type.shape, c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)
+    return a_bufs, b_bufs, ready, empty
+
+
+@gluon.jit
+def _shared_state(a_desc, b_desc, c_desc, A_PER_STAGE: gl.constexpr, B_PER_STAGE: gl.constexpr,
+                  STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """Shared memory of the kernels: ``_ring_state`` and one epilogue buffer (a c_desc box) per
+    consumer partition."""
+    a_bufs, b_bufs, ready, empty = _ring_state(a_desc, b_desc, A_PER_STAGE, B_PER_STAGE, STAGES, CONSUMERS)
+    bufs = gl.allocate_shared_memory(c_desc.dtype, [CONSUMERS] + c_desc.block_type.shape, c_desc.layout)
     return a_bufs, b_bufs, bufs, ready, empty
 
 
@@ -277,23 +254,25 @@ def _ring_mma(a, b, acc, ready, empty, idx, phase, ki, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _ring_mma2(a, b0, b1, acc0, acc1, ready, empty, idx, phase, ki, STAGES: gl.constexpr):
-    """``_ring_mma`` for a tile held in two accumulators (column halves): two wgmmas per stage."""
-    mbarrier.wait(ready.index(idx), phase)
-    acc0 = warpgroup_mma(a, b0, acc0, is_async=True)
-    acc1 = warpgroup_mma(a, b1, acc1, is_async=True)
-    warpgroup_mma_wait(2, deps=(acc0, acc1))
-    _free_previous(empty, idx, ki > 0, STAGES)
-    idx, phase = _advance(idx, phase, STAGES)
-    return acc0, acc1, idx, phase
-
-
-@gluon.jit
 def _ring_drain(acc, empty, idx, k_iters, STAGES: gl.constexpr):
     """After a tile's K loop: wait for its last wgmma and free that stage (none if k_iters == 0)."""
     acc = warpgroup_mma_wait(0, deps=(acc,))
     _free_previous(empty, idx, k_iters > 0, STAGES)
     return acc
+
+
+@gluon.jit
+def _row_tile_mainloop(a_bufs, b_bufs, ready, empty, acc, idx, phase, k_iters, CONSUMER: gl.constexpr,
+                       STAGES: gl.constexpr, B_TRANS: gl.constexpr):
+    """Consumer CONSUMER's main loop over one rows-ragged tile: its HALF rows of each A stage times the
+    stage's B box into acc, every stage freed after. Returns (acc, idx, phase)."""
+    HALF: gl.constexpr = a_bufs.shape[1] // 2
+    for ki in range(k_iters):
+        a = a_bufs.index(idx).slice(CONSUMER * HALF, HALF, dim=0)
+        acc, idx, phase = _ring_mma(a, _b_operand(b_bufs.index(idx), B_TRANS), acc, ready, empty, idx, phase,
+                                    ki, STAGES)
+    acc = _ring_drain(acc, empty, idx, k_iters, STAGES)
+    return acc, idx, phase
 
 
 @gluon.jit
@@ -397,12 +376,8 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, o
         acc = gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout)
         if HAS_BIAS:  # the accumulator starts from the bias: no registers held for it in the epilogue
             acc = acc + bias.to(gl.float32)[None, :]
-        acc = warpgroup_mma_init(acc)
-        for ki in range(k_iters):
-            a = a_bufs.index(idx).slice(CONSUMER * HALF, HALF, dim=0)
-            acc, idx, phase = _ring_mma(a, _b_operand(b_bufs.index(idx), B_TRANS), acc, ready, empty, idx, phase,
-                                        ki, STAGES)
-        acc = _ring_drain(acc, empty, idx, k_iters, STAGES)
+        acc, idx, phase = _row_tile_mainloop(a_bufs, b_bufs, ready, empty, warpgroup_mma_init(acc), idx, phase,
+                                             k_iters, CONSUMER, STAGES, B_TRANS)
         if HAS_BIAS:
             bias = _bias_row(bias_ptr, stride_bias, nxt[0], nxt[3], N, BLOCK_N, acc_layout)
         tma.store_wait(0)  # the previous tile's TMA store has read buf
@@ -415,90 +390,6 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, buf, c_desc, c_ptr, stride_c, o
             _epilogue(buf, c_desc, c_ptr, stride_c, out2_ptr, stride_out2, row + CONSUMER * HALF, end, pid_n, N,
                       EPILOGUE, ALPHA, LIMIT, OFFSET)
     tma.store_wait(0)
-
-
-@gluon.jit
-def _pack_pairs(low, high):
-    """Inverse of ``_unpack_pairs``: fp32 (low, high) -> int32 words of the two rounded bf16."""
-    lo = low.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 65535
-    hi = high.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) << 16
-    return lo | hi
-
-
-@gluon.jit
-def _dswiglu_half(words, dh, aux_ready, aux_empty, c_ptr, stride_c, out2_ptr, stride_out2, row, col, end, N, N2,
-                  half_j, ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr):
-    """DSWIGLU epilogue of one column half [col, col + BN2) of a tile: dH (bf16, in the accumulator's
-    layout) and the aux words that the loader staged -> d_aux = dSwiGLU(aux) * dH as words into c_ptr
-    and h = SwiGLU(aux) into out2_ptr, column N of h set to 1 (a ones column when N2 > N). Both are
-    stored straight from the accumulator's layout (8-byte d_aux and 4-byte h stores per thread),
-    rows >= end (the next group's) masked. (Staging d_aux over the aux words and h after it for TMA
-    stores serialized the buffer and was slower: docs/design.md, section 11.)"""
-    layout: gl.constexpr = dh.type.layout
-    mbarrier.wait(aux_ready, half_j)
-    w = words.load(layout)
-    mbarrier.arrive(aux_empty)  # the loader may refill the buffer while this half computes
-    gate, lin = _unpack_pairs(w)
-    dg, dl, h = swiglu_apply_bwd(gate, lin, dh.to(gl.float32), ALPHA, LIMIT, OFFSET)
-    rows = row + gl.arange(0, dh.shape[0], layout=gl.SliceLayout(1, layout))
-    cols = col + gl.arange(0, dh.shape[1], layout=gl.SliceLayout(0, layout))
-    rows64 = rows.to(gl.int64)[:, None]
-    row_ok = (rows < end)[:, None]
-    gl.store(c_ptr + rows64 * stride_c + cols[None, :], _pack_pairs(dg, dl), mask=row_ok & (cols[None, :] < N))
-    h = gl.where(cols[None, :] == N, 1.0, h)
-    gl.store(out2_ptr + rows64 * stride_out2 + cols[None, :], h.to(out2_ptr.dtype.element_ty),
-             mask=row_ok & (cols[None, :] < N2))
-
-
-@gluon.jit
-def _dswiglu_partition(a_bufs, b_bufs, ready, empty, buf, aux_ready, aux_empty, c_ptr, stride_c, out2_ptr,
-                       stride_out2, table, N, N2, K, tiles_n,
-                       NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
-                       ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr):
-    """DSWIGLU consumer: one partition of two warpgroups (64 rows each, as the other kernels' two
-    consumer partitions) holding the tile in two column halves (two accumulators, one B box each),
-    then for each half the dSwiGLU epilogue on the aux half that the loader staged in ``buf``. One
-    partition, not two, and a runtime loop over the halves: the epilogue is ~2k instructions per
-    half, and four inlined copies overflowed the instruction cache (3x slower epilogues)."""
-    BLOCK_M: gl.constexpr = a_bufs.shape[1]
-    BLOCK_K: gl.constexpr = a_bufs.shape[2]
-    BLOCK_N: gl.constexpr = buf.shape[1]
-    BN2: gl.constexpr = BLOCK_N // 2
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BN2, 16]
-    )
-    # buf holds BLOCK_N aux columns: the (gate, linear) words of BN2 dH columns
-    words = buf._reinterpret(gl.int32, [BLOCK_M, BN2],
-                             gl.NVMMASharedLayout.get_default_for([BLOCK_M, BN2], gl.int32))
-    total = gl.load(table) * tiles_n
-    k_iters = gl.cdiv(K, BLOCK_K)
-    idx = 0
-    phase = 0
-    nxt = _tile_clamped(gl.program_id(0), total, table, tiles_n, BLOCK_M, GROUP_M)
-    for t in range(gl.program_id(0), total, NUM_SMS):
-        g, row, end, pid_n = nxt
-        nxt = _tile_clamped(t + NUM_SMS, total, table, tiles_n, BLOCK_M, GROUP_M)
-        acc0 = warpgroup_mma_init(gl.zeros([BLOCK_M, BN2], gl.float32, acc_layout))
-        acc1 = warpgroup_mma_init(gl.zeros([BLOCK_M, BN2], gl.float32, acc_layout))
-        for ki in range(k_iters):
-            b0 = _b_operand(b_bufs.index(2 * idx), B_TRANS)
-            b1 = _b_operand(b_bufs.index(2 * idx + 1), B_TRANS)
-            acc0, acc1, idx, phase = _ring_mma2(a_bufs.index(idx), b0, b1, acc0, acc1, ready, empty, idx, phase,
-                                                ki, STAGES)
-        acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))  # _ring_drain for the two accumulators
-        _free_previous(empty, idx, k_iters > 0, STAGES)
-        # dH rounded to bf16 (as a stored dH would be): half the registers of the accumulators, so
-        # that picking a half in the runtime loop below does not spill
-        dh0 = acc0.to(gl.bfloat16)
-        dh1 = acc1.to(gl.bfloat16)
-        col = pid_n * BLOCK_N
-        for j in range(2):
-            if j == 0:
-                dh = dh0
-            else:
-                dh = dh1
-            _dswiglu_half(words, dh, aux_ready, aux_empty, c_ptr, stride_c, out2_ptr, stride_out2, row,
-                          col + j * BN2, end, N, N2, j, ALPHA, LIMIT, OFFSET)
 
 
 @gluon.jit
@@ -525,41 +416,11 @@ def _grouped_mm_ws_kernel(
             (_mma_partition, (a_bufs, b_bufs, ready, empty, bufs.index(1), c_desc, c_ptr, stride_c, out2_ptr,
                               stride_out2, bias_ptr, stride_bias, gscale_ptr, table, N, K, tiles_n,
                               1, NUM_SMS, GROUP_M, STAGES, B_TRANS, HAS_BIAS, EPILOGUE, ALPHA, LIMIT, OFFSET)),
-            # (aux_desc, aux_ready, aux_empty are DSWIGLU's: placeholders here, never touched)
-            (_load_partition, (a_desc, b_desc, c_desc, a_bufs, b_bufs, bufs, ready, empty, empty.index(0),
-                               empty.index(0), table, K, tiles_n, NUM_SMS, GROUP_M, STAGES, B_TRANS, EPILOGUE)),
+            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, table, K, tiles_n,
+                               NUM_SMS, GROUP_M, STAGES, B_TRANS)),
         ],
         [4, 1],
         [232, 40],
-    )
-
-
-@gluon.jit
-def _grouped_mm_ws_dswiglu_kernel(
-    a_desc, b_desc,  # a (M, K) [BM, BK]; b (E, N, K) [1, BN / 2, BK] (B_TRANS) or (E, K, N) [1, BK, BN / 2]
-    aux_desc,  # aux (M, 2N) [BM, BN]: the (gate, linear) pairs of a tile's first / second BN / 2 columns
-    c_ptr, stride_c, out2_ptr, stride_out2,  # d_aux (M, 2N) as int32 words (M, N); h (M, N2)
-    table, N, N2, K,  # the row-tile table of _tile_table_kernel; N2: h's columns (module doc)
-    NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
-    ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr,
-):
-    a_bufs, b_bufs, bufs, ready, empty = _shared_state(a_desc, b_desc, aux_desc, 1, 2, STAGES, 1)
-    # the aux half in bufs is ready / has been read
-    aux_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    aux_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(aux_ready, count=1)
-    mbarrier.init(aux_empty, count=1)
-    tiles_n = gl.cdiv(N, aux_desc.block_type.shape[1])  # BN columns of dH: 2 BN of aux, two boxes
-    gl.warp_specialize(
-        [
-            (_dswiglu_partition, (a_bufs, b_bufs, ready, empty, bufs.index(0), aux_ready, aux_empty,
-                                  c_ptr, stride_c, out2_ptr, stride_out2, table, N, N2, K, tiles_n,
-                                  NUM_SMS, GROUP_M, STAGES, B_TRANS, ALPHA, LIMIT, OFFSET)),
-            (_load_partition, (a_desc, b_desc, aux_desc, a_bufs, b_bufs, bufs, ready, empty, aux_ready, aux_empty,
-                               table, K, tiles_n, NUM_SMS, GROUP_M, STAGES, B_TRANS, DSWIGLU)),
-        ],
-        [1],
-        [40],
     )
 
 

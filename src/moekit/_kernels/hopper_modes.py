@@ -9,7 +9,6 @@ class Epilogue(enum.IntEnum):
 
     PLAIN = 0  # c = a @ b[g] (+ bias[g])
     SWIGLU = 1  # the up-projection: c = aux, out2 = h = SwiGLU(aux)
-    DSWIGLU = 2  # the down-projection's dgrad: c = d_aux, out2 = h (its own kernel)
     SWIGLU_NVFP4 = 3  # the up-projection writing h as NVFP4: c = values, out2 = scales (no aux)
 
 

@@ -1,0 +1,92 @@
+"""The down-projection's dgrad with the SwiGLU backward: the fused kernel (an epilogue partition,
+``_kernels/hopper_dswiglu.py``) against the plain dgrad followed by the pass, in one process.
+
+    python probes/dswiglu.py [shape ...] [--rounds 7] [--no-block]
+
+Per block shape (the block's routing, row scales as the bias-free block passes them): paired times of
+``grouped_mm_dswiglu`` both ways and whether d_aux and h match bit for bit (the row scales' gradient
+to fp32 rounding); then paired times of the block's training step with ``fused_dswiglu`` off and on.
+"""
+
+import argparse
+
+import torch
+
+import moekit
+from moekit import experts
+from moekit.bench import BLOCK_SHAPES, environment, paired_ratios
+from moekit.bench.moe import training_step
+from moekit.epilogue import SwiGLU
+from moekit.testing import offs_from_counts, routed_counts
+
+
+def _fused(on, fn):
+    def run():
+        with moekit.options(fused_dswiglu=on):
+            return fn()
+    return run
+
+
+def kernel_ab(shape, rounds):
+    gen = torch.Generator().manual_seed(0)
+    counts = routed_counts(shape.tokens, shape.e, shape.top_k, generator=gen)
+    offs = offs_from_counts(counts.tolist(), device="cuda")
+    m = shape.tokens * shape.top_k
+    torch.manual_seed(0)
+    grad = torch.randn(m, shape.d, device="cuda", dtype=torch.bfloat16)
+    aux = (torch.randn(m, 2 * shape.f, device="cuda") * 2).to(torch.bfloat16)
+    w = (torch.randn(shape.e, shape.f, shape.d, device="cuda") / shape.d**0.5).to(torch.bfloat16)
+    scale = torch.rand(m, device="cuda")
+    spec = SwiGLU()
+    outs = {}
+
+    def call(key):
+        def run():
+            outs[key] = experts.grouped_mm_dswiglu(grad, w, offs, aux, spec, scale=scale)
+        return run
+
+    fns = {"dgrad + pass": _fused(False, call("base")), "fused": _fused(True, call("fused"))}
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    same = all(torch.equal(a, b) for a, b in zip(outs["base"][:2], outs["fused"][:2], strict=True))
+    ds = (outs["base"][2] - outs["fused"][2]).abs().max().item()
+    cells = paired_ratios(fns, "dgrad + pass", rounds=rounds, warmup_ms=30, rep_ms=100)
+    print(f"| {shape.name} | kernel | {' | '.join(cells)} | d_aux, h bit-equal: {same}; "
+          f"max |d_scale diff| {ds:.1e} |", flush=True)
+
+
+def block_ab(shape, rounds):
+    _, _, step = training_step(shape, "plain")
+    grads = {}
+
+    def keep(key):
+        def run():
+            grads[key] = step()
+        return run
+
+    fns = {"default": _fused(False, keep("base")), "fused_dswiglu": _fused(True, keep("fused"))}
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads["base"], grads["fused"], strict=True))
+    cells = paired_ratios(fns, "default", rounds=rounds, warmup_ms=30, rep_ms=150)
+    print(f"| {shape.name} | block step | {' | '.join(cells)} | max |grad diff| {diff:.1e} |", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("shapes", nargs="*", default=list(BLOCK_SHAPES))
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--no-block", action="store_true")
+    a = p.parse_args()
+    print(environment())
+    print("| shape | what | base ms | fused ms, ratio [quartiles] | check |\n|---|---|---|---|---|")
+    for name in a.shapes:
+        kernel_ab(BLOCK_SHAPES[name], a.rounds)
+        if not a.no_block:
+            block_ab(BLOCK_SHAPES[name], a.rounds)
+
+
+if __name__ == "__main__":
+    main()
