@@ -155,8 +155,8 @@ def ws_dswiglu(a, b, offs, aux, d_aux, h, spec, *, scale=None):
     hd._grouped_mm_ws_dswiglu_kernel[(programs,)](
         a_desc, b_desc, c_desc, aux_w, aux_w.stride(0), d_aux_w, d_aux_w.stride(0), h, h.stride(0),
         scale if scale is not None else h, parts if parts is not None else h,
-        table, m, n, h.shape[1], k, HAS_SCALE=scale is not None, ONES_COL=h.shape[1] > n, num_warps=4, **_ws_constexprs(a, b, spec),
-        maxnreg=168,  # three warpgroups (the kernel module doc)
+        table, m, n, h.shape[1], k, HAS_SCALE=scale is not None, ONES_COL=h.shape[1] > n, num_warps=4,
+        **_ws_constexprs(a, b, spec), maxnreg=168,  # three warpgroups (the kernel's module doc)
     )
     if parts is None:
         return None
