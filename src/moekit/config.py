@@ -68,8 +68,8 @@ class Options:
       off (the default) recomputes h from aux in the SwiGLU backward pass: R x F bf16 less saved
       memory (as little as SonicMoE saves) for 0-4% of a block step (docs/design.md).
     - ``fused_dswiglu`` (``MOEKIT_FUSED_DSWIGLU``, off): the down-projection's dgrad computes the
-      SwiGLU backward in its epilogue on sm_90 (bit-equal to the default, and slower on an H100:
-      docs/design.md).
+      SwiGLU backward in an epilogue partition on sm_90, overlapping the next tile's main loop (d_aux
+      and h bit-equal to the default; not yet timed on a GPU: docs/design.md, section 5.6).
     - ``sm_margin`` (``MOEKIT_SM_MARGIN``, 0): SMs the persistent GEMMs leave free (they launch one
       program per SM minus this many). Under expert parallelism with overlap the all-to-all's NCCL
       kernel (32 CTAs on two H200s) runs beside the GEMMs, and a persistent GEMM that finds SMs taken
@@ -250,10 +250,9 @@ def use_nvfp4_ptx_decode(device: torch.device) -> bool:
 
 
 def fused_dswiglu() -> bool:
-    """Whether the down-projection's dgrad computes d_aux in its epilogue (the ``fused_dswiglu``
-    option) instead of a plain dgrad followed by the SwiGLU backward pass. Off by default: on an H100
-    the fused GEMM takes 4.15 ms against 3.54 ms for the two at gpt-oss-20b, because its epilogue
-    cannot overlap the tensor cores (docs/design.md)."""
+    """Whether the down-projection's dgrad computes d_aux in an epilogue partition (the
+    ``fused_dswiglu`` option) instead of a plain dgrad followed by the SwiGLU backward pass. Off by
+    default until it is timed on a GPU (docs/design.md, section 5.6)."""
     return _options.fused_dswiglu
 
 

@@ -132,9 +132,9 @@ def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = Fal
 
     By default dH is a grouped GEMM and one bandwidth-bound pass turns (aux, dH) into d_aux and h.
     With ``config.fused_dswiglu()`` on Hopper (interleaved layout, bf16), one warp-specialized GEMM
-    does it all in its epilogue: dH never reaches memory, and the loader warp stages each tile's aux
-    in shared memory during the main loop. Both round dH to bf16 first, so they agree bit for bit; the
-    fused kernel is the slower one on an H100 (``config.fused_dswiglu`` says why).
+    does it all (``hopper.ws_dswiglu``): dH never reaches memory, and an epilogue partition computes
+    each tile's outputs while the tensor cores run the next tile. Both round dH to bf16 first, so
+    d_aux and h agree bit for bit; dscale is summed in another order (fp32 rounding).
     """
     m, two_f = aux.shape
     f = two_f // 2
