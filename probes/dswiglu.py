@@ -1,11 +1,12 @@
 """The down-projection's dgrad with the SwiGLU backward: the fused kernel (an epilogue partition,
 ``_kernels/hopper_dswiglu.py``) against the plain dgrad followed by the pass, in one process.
 
-    python probes/dswiglu.py [shape ...] [--rounds 7] [--no-block]
+    python probes/dswiglu.py [shape ...] [--rounds 7] [--no-block] [--configs plain gpt-oss]
 
-Per block shape (the block's routing, row scales as the bias-free block passes them): paired times of
-``grouped_mm_dswiglu`` both ways and whether d_aux and h match bit for bit (the row scales' gradient
-to fp32 rounding); then paired times of the block's training step with ``fused_dswiglu`` off and on.
+Per block shape (the block's routing, row scales as the bias-free block passes them), for plain SwiGLU
+and gpt-oss's clamped one: paired times of ``grouped_mm_dswiglu`` both ways and whether d_aux and h
+match bit for bit (the row scales' gradient to fp32 rounding); then paired times of the block's
+training step with ``fused_dswiglu`` off and on, per block configuration.
 """
 
 import argparse
@@ -27,7 +28,10 @@ def _fused(on, fn):
     return run
 
 
-def kernel_ab(shape, rounds):
+SPECS = {"plain": SwiGLU(), "gpt-oss": SwiGLU(alpha=1.702, limit=7.0, linear_offset=1.0)}
+
+
+def kernel_ab(shape, spec_name, rounds):
     gen = torch.Generator().manual_seed(0)
     counts = routed_counts(shape.tokens, shape.e, shape.top_k, generator=gen)
     offs = offs_from_counts(counts.tolist(), device="cuda")
@@ -37,7 +41,7 @@ def kernel_ab(shape, rounds):
     aux = (torch.randn(m, 2 * shape.f, device="cuda") * 2).to(torch.bfloat16)
     w = (torch.randn(shape.e, shape.f, shape.d, device="cuda") / shape.d**0.5).to(torch.bfloat16)
     scale = torch.rand(m, device="cuda")
-    spec = SwiGLU()
+    spec = SPECS[spec_name]
     outs = {}
 
     def call(key):
@@ -52,12 +56,12 @@ def kernel_ab(shape, rounds):
     same = all(torch.equal(a, b) for a, b in zip(outs["base"][:2], outs["fused"][:2], strict=True))
     ds = (outs["base"][2] - outs["fused"][2]).abs().max().item()
     cells = paired_ratios(fns, "dgrad + pass", rounds=rounds, warmup_ms=30, rep_ms=100)
-    print(f"| {shape.name} | kernel | {' | '.join(cells)} | d_aux, h bit-equal: {same}; "
+    print(f"| {shape.name} | kernel, {spec_name} SwiGLU | {' | '.join(cells)} | d_aux, h bit-equal: {same}; "
           f"max |d_scale diff| {ds:.1e} |", flush=True)
 
 
-def block_ab(shape, rounds):
-    _, _, step = training_step(shape, "plain")
+def block_ab(shape, config, rounds):
+    _, _, step = training_step(shape, config)
     grads = {}
 
     def keep(key):
@@ -71,7 +75,7 @@ def block_ab(shape, rounds):
     torch.cuda.synchronize()
     diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads["base"], grads["fused"], strict=True))
     cells = paired_ratios(fns, "default", rounds=rounds, warmup_ms=30, rep_ms=150)
-    print(f"| {shape.name} | block step | {' | '.join(cells)} | max |grad diff| {diff:.1e} |", flush=True)
+    print(f"| {shape.name} | block step, {config} | {' | '.join(cells)} | max |grad diff| {diff:.1e} |", flush=True)
 
 
 def main():
@@ -79,13 +83,15 @@ def main():
     p.add_argument("shapes", nargs="*", default=list(BLOCK_SHAPES))
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--no-block", action="store_true")
+    p.add_argument("--configs", nargs="*", default=["plain"], help="block configurations (and SwiGLUs) to time")
     a = p.parse_args()
     print(environment())
     print("| shape | what | base ms | fused ms, ratio [quartiles] | check |\n|---|---|---|---|---|")
     for name in a.shapes:
-        kernel_ab(BLOCK_SHAPES[name], a.rounds)
-        if not a.no_block:
-            block_ab(BLOCK_SHAPES[name], a.rounds)
+        for config in a.configs:
+            kernel_ab(BLOCK_SHAPES[name], config, a.rounds)
+            if not a.no_block:
+                block_ab(BLOCK_SHAPES[name], config, a.rounds)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from moekit._kernels.hopper_gemm import PLAIN, _advance, _b_operand, _load_partition, _shared_state
+from moekit._kernels.hopper_gemm import _advance, _b_operand, _load_partition, _shared_state
 
 
 @gluon.jit
@@ -40,15 +40,15 @@ def _stream_partition(ready, empty, table, K, tiles_n, BLOCK_K: gl.constexpr, NU
 @gluon.jit
 def _ws_stream_kernel(a_desc, b_desc, c_desc, table, K, N, NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr,
                       STAGES: gl.constexpr, B_TRANS: gl.constexpr):
-    a_bufs, b_bufs, bufs, ready, empty = _shared_state(a_desc, b_desc, c_desc, 1, 1, STAGES, 2)
+    a_bufs, b_bufs, bufs, ready, empty = _shared_state(a_desc, b_desc, c_desc, 1, STAGES, 2)
     tiles_n = gl.cdiv(N, c_desc.block_type.shape[1])
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     gl.warp_specialize(
         [
             (_stream_partition, (ready, empty, table, K, tiles_n, BLOCK_K, NUM_SMS, STAGES)),
             (_stream_partition, (ready, empty, table, K, tiles_n, BLOCK_K, NUM_SMS, STAGES)),
-            (_load_partition, (a_desc, b_desc, c_desc, a_bufs, b_bufs, bufs, ready, empty, empty.index(0),
-                               empty.index(0), table, K, tiles_n, NUM_SMS, GROUP_M, STAGES, B_TRANS, PLAIN)),
+            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, table, K, tiles_n,
+                               NUM_SMS, GROUP_M, STAGES, B_TRANS)),
         ],
         [4, 1],
         [232, 40],
@@ -102,7 +102,7 @@ def _prime_partition(a_desc, b_desc, a_bufs, b_bufs, ready, STAGES: gl.constexpr
 @gluon.jit
 def _ws_mma_kernel(a_desc, b_desc, c_desc, c_ptr, table, K, N, NUM_SMS: gl.constexpr, STAGES: gl.constexpr,
                    B_TRANS: gl.constexpr):
-    a_bufs, b_bufs, bufs, ready, empty = _shared_state(a_desc, b_desc, c_desc, 1, 1, STAGES, 2)
+    a_bufs, b_bufs, bufs, ready, empty = _shared_state(a_desc, b_desc, c_desc, 1, STAGES, 2)
     tiles_n = gl.cdiv(N, c_desc.block_type.shape[1])
     gl.warp_specialize(
         [

@@ -123,20 +123,26 @@ def test_row_scale_against_float64(layout, save_h):
 
 
 @pytest.mark.parametrize("w_layout", ["EFD", "EDF"], ids=["w-k-major", "w-n-major"])
-@pytest.mark.parametrize("f, ones_col", [(1000, True), (1000, False), (768, False)],
+@pytest.mark.parametrize("f, ones_col", [(1000, True), (1000, False), (1024, False)],
                          ids=["ones-col", "partial-tile", "full-tiles"])
 @pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "row-scales"])
-def test_warp_specialized_dswiglu_dgrad(monkeypatch, w_layout, f, ones_col, scaled):
+@pytest.mark.parametrize("programs", [None, 4], ids=["one-per-sm", "4-programs"])
+def test_warp_specialized_dswiglu_dgrad(monkeypatch, w_layout, f, ones_col, scaled, programs):
     """The down-projection's dgrad with the dSwiGLU epilogue (one warp-specialized GEMM with an epilogue
     partition) against the warp-specialized plain dgrad followed by the pass: the same dH bits, so the
     same d_aux and h bit for bit, and the row scales' gradient to fp32 rounding (summed in another
-    order). Outputs poisoned; empty experts, a group of one row, rows past offs[-1] (aux NaN there),
-    clamp-heavy aux."""
+    order). Outputs poisoned; empty experts, a group of one row, groups ending mid-step and inside
+    the second consumer's rows, rows past offs[-1] (aux NaN there), clamp-heavy aux, K = 1000 (a
+    partial last K box). With 4 programs each walks ~30 tiles, so the dH buffers change hands many
+    times (one program per SM runs at most two tiles here)."""
     if not config.use_warp_specialized(torch.device(DEV)):
         pytest.skip("needs an sm_90 GPU with Gluon")
+    opts = dict(fused_dswiglu=True, poison=True)
+    if programs is not None:
+        opts["sm_margin"] = config.num_sms(torch.device(DEV)) - programs
     counts = [700, 0, 1, 1300, 255, 0, 2048, 33]
     offs = offs_from_counts(counts, device=DEV)
-    m, d, e = sum(counts) + 40, 960, len(counts)
+    m, d, e = sum(counts) + 40, 1000, len(counts)
     grad = torch.randn(m, d, device=DEV).to(BF16)
     aux = (torch.randn(m, 2 * f, device=DEV) * 4).to(BF16)
     aux[sum(counts):] = float("nan")
@@ -147,7 +153,7 @@ def test_warp_specialized_dswiglu_dgrad(monkeypatch, w_layout, f, ones_col, scal
     launches = []
     launch = experts.ws_dswiglu
     monkeypatch.setattr(experts, "ws_dswiglu", lambda *a, **k: launches.append(1) or launch(*a, **k))
-    with moekit.options(fused_dswiglu=True, poison=True):
+    with moekit.options(**opts):
         d_aux, h, dscale = experts.grouped_mm_dswiglu(grad, w, offs, aux, spec, ones_col=ones_col, scale=scale)
     assert launches == [1], launches
     dh = grouped_gemm.grouped_mm_fwd(grad, w.mT, offs)

@@ -9,8 +9,9 @@ Backward (the fused-only contract): the gradient flows through ``aux``, not ``h`
 dgrad computes dH = dOut @ w_down^T, and one pass turns (aux, dH) into d_aux = dSwiGLU(aux) * dH; then
 dW_down = h^T @ dOut, dX = d_aux @ w_up^T, dW_up = x^T @ d_aux (without biases, as (d_aux^T @ x)^T and
 (dOut^T @ h)^T, in the layout of the (E, N, K) parameters behind ``w.mT``: ``grouped_gemm.weight_grad``).
-The forward saves only ``aux`` by default, and the pass also recomputes h (the GEMM's own epilogue
-can do that, opt-in and slower: ``grouped_mm_dswiglu``); with the ``save_h`` option it saves h too.
+The forward saves only ``aux`` by default, and the pass also recomputes h (on Hopper the dgrad's own
+epilogue partition can do the pass's work, opt-in: ``grouped_mm_dswiglu``); with the ``save_h`` option
+it saves h too.
 With row scales (``row_scale``: h = s * SwiGLU(aux), the MoE block's routing weights) the pass also
 applies s to dH and yields the scales' gradient <dH, SwiGLU(aux)> per row.
 The bias gradients are per-expert column sums. db_up and, from a saved h, db_down come out of their
@@ -141,7 +142,7 @@ def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = Fal
     w_t = w.mT
     h_cols = triton.cdiv(f + 1, 64) * 64 if ones_col else f  # as swiglu_bwd pads it
     fused = config.fused_dswiglu() and not spec.halves
-    if fused and m and f and ws_dswiglu_ok(grad, w_t, aux, h_cols):
+    if fused and m and f and ws_dswiglu_ok(grad, w_t, aux, h_cols, scale):
         d_aux = config.empty((m, two_f), dtype=aux.dtype, device=aux.device)
         h = config.empty((m, h_cols), dtype=aux.dtype, device=aux.device)
         dscale = ws_dswiglu(grad, w_t, offs, aux, d_aux, h, spec, scale=scale)

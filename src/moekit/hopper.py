@@ -34,12 +34,16 @@ def ws_rows_ragged(a, b, out, b_trans: bool) -> bool:
             and ws_ok(a, b, out))
 
 
-def ws_dswiglu_ok(a, b, aux, h_cols: int) -> bool:
+def ws_dswiglu_ok(a, b, aux, h_cols: int, scale=None) -> bool:
     """Whether the down-projection's dgrad a (M, K) @ b (E, K, N) takes the warp-specialized kernel
-    with the dSwiGLU epilogue (``ws_dswiglu``), writing into fresh row-major
-    d_aux (M, 2N) and h (M, h_cols) (d_aux's rows are aux's)."""
-    (m, _), (e, _, n) = a.shape, b.shape
-    return (m >= WS_MIN_ROWS * e and h_cols <= triton.cdiv(n, WS_TILE[1]) * WS_TILE[1]
+    with the dSwiGLU epilogue (``ws_dswiglu``), writing into fresh row-major d_aux (M, 2N) and
+    h (M, h_cols) (d_aux's rows are aux's): bf16 aux, fp32 row scales (or none), and the weights'
+    layouts that the plain dgrad also runs on this kernel (``ws_rows_ragged``), so that both paths
+    compute the same dH bits."""
+    (m, k), (e, _, n) = a.shape, b.shape
+    return (m >= WS_MIN_ROWS * e and (b.stride(2) != 1 or k <= n) and aux.dtype == torch.bfloat16
+            and (scale is None or (scale.dtype == torch.float32 and scale.is_contiguous()))
+            and h_cols <= triton.cdiv(n, WS_TILE[1]) * WS_TILE[1]
             and all(cols * a.element_size() % ALIGN == 0 for cols in (aux.shape[1], h_cols)) and ws_ok(a, b, aux))
 
 
@@ -144,18 +148,16 @@ def ws_dswiglu(a, b, offs, aux, d_aux, h, spec, *, scale=None):
     from ._kernels import hopper_dswiglu as hd  # Gluon: imported only where it runs
 
     (m, k), n = a.shape, b.shape[2]
-    bm, bn, _ = WS_TILE
+    bn = WS_TILE[1]
     a_desc, b_desc, table, programs = ws_rows_setup(a, b, offs, d_aux, h, box_n=bn)
-    staging = _staging_tile(a.device)
-    c_desc = ws_desc(staging, list(staging.shape), [staging.stride(0), 1], [bm // 2, bn])
     tiles_n = triton.cdiv(n, bn)
     # one partial row sum per column tile, added up below; rows past offs[-1] are in no tile
     parts = None if scale is None else torch.zeros(tiles_n, m, dtype=torch.float32, device=a.device)
     aux_w, d_aux_w = aux.view(torch.int32), d_aux.view(torch.int32)
     hd._grouped_mm_ws_dswiglu_kernel[(programs,)](
-        a_desc, b_desc, c_desc, aux_w, aux_w.stride(0), d_aux_w, d_aux_w.stride(0), h, h.stride(0),
+        a_desc, b_desc, aux_w, aux_w.stride(0), d_aux_w, d_aux_w.stride(0), h, h.stride(0),
         scale if scale is not None else h, parts if parts is not None else h,
-        table, m, n, h.shape[1], k, HAS_SCALE=scale is not None, ONES_COL=h.shape[1] > n, num_warps=4,
+        table, m, n, h.shape[1], k, BLOCK_N=bn, HAS_SCALE=scale is not None, ONES_COL=h.shape[1] > n, num_warps=4,
         **_ws_constexprs(a, b, spec), maxnreg=168,  # three warpgroups (the kernel's module doc)
     )
     if parts is None:

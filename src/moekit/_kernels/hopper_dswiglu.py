@@ -22,9 +22,11 @@ A 4-warp epilogue would make four warpgroups (512 threads, 128 registers); with 
 stays at three (384 threads, 168 registers for every partition).
 
 The buffers are row-major with a 16-byte XOR swizzle by row (conflict-free for the consumers' stores
-and the epilogue's row reads). The epilogue walks 8-row steps in a runtime loop (one copy of the
-math in the instruction cache), each thread 4 rows x 8 columns (16-byte loads and stores), and
-issues the next step's aux loads before the current step's math. The same rows-ragged tile walk as
+and the epilogue's row reads). The epilogue walks 4-row steps in a runtime loop (one copy of the
+math in the instruction cache), each thread 2 rows x 8 columns (16-byte loads and stores), with
+each step's aux and row-scale loads issued two steps ahead of its math. (8-row steps spilled 136
+bytes per step under gpt-oss's clamps; 4-row steps spill none with plain SwiGLU, 32 bytes with the
+clamps.) The same rows-ragged tile walk as
 the other kernels (``_tile_clamped``): rows of a tile past its group's end are masked, and the
 row-tile table's kernel zero-fills the rows of c and out2 past offs[-1].
 """
@@ -39,7 +41,7 @@ from .hopper_gemm import _load_partition, _ring_state, _row_tile_mainloop, _tile
 # a barrier over the calling partition's warps (a named barrier inside warp_specialize): Triton 3.6
 # spells it thread_barrier, 3.7 barrier
 _partition_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
-EPI_STEP_ROWS = gl.constexpr(8)  # rows per step of the epilogue partition (its 2 warps, 4 rows each)
+EPI_STEP_ROWS = gl.constexpr(4)  # rows per step of the epilogue partition (its 2 warps, 2 rows each)
 
 
 @gluon.jit
@@ -85,6 +87,12 @@ def _load_aux_words(aux_ptr, stride_aux, rows, cols, end, N):
 
 
 @gluon.jit
+def _load_row_scales(scale_ptr, rows, end):
+    """The row scales of ``rows`` (fp32); zeros past the group's end."""
+    return gl.load(scale_ptr + rows, mask=rows < end, other=0.0)
+
+
+@gluon.jit
 def _dsw_epilogue_partition(bufs, dh_ready, dh_empty, aux_ptr, stride_aux, c_ptr, stride_c, out2_ptr, stride_out2,
                             scale_ptr, parts_ptr, M, table, N, N2, tiles_n,
                             NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, HAS_SCALE: gl.constexpr,
@@ -110,18 +118,28 @@ def _dsw_epilogue_partition(bufs, dh_ready, dh_empty, aux_ptr, stride_aux, c_ptr
         h_ok = (cols < N2)[None, :]
         for c in range(2):
             first = row + c * HALF
-            w_next = _load_aux_words(aux_ptr, stride_aux, first + rows_in, cols, end, N)  # aux needs no dH
+            # aux and the row scales need no dH: the first two steps' loads go out before the wait,
+            # and each step's loads two steps ahead of its math (none past the half's last step)
+            w1 = _load_aux_words(aux_ptr, stride_aux, first + rows_in, cols, end, N)
+            w2 = _load_aux_words(aux_ptr, stride_aux, first + R + rows_in, cols, end, N)
+            if HAS_SCALE:
+                s1 = _load_row_scales(scale_ptr, first + rows_in, end)
+                s2 = _load_row_scales(scale_ptr, first + R + rows_in, end)
             mbarrier.wait(dh_ready.index(c), tile_phase)
             for i in range(STEPS):
                 rows = first + i * R + rows_in
-                w = w_next
-                # the next step's aux in flight during this step's math (none after the last step)
-                w_next = _load_aux_words(aux_ptr, stride_aux, rows + R, cols, gl.where(i + 1 < STEPS, end, 0), N)
-                dh = steps.index(c * STEPS + i).load(layout).to(gl.float32)
                 row_ok = rows < end
+                ahead_end = gl.where(i + 2 < STEPS, end, 0)
+                w = w1
+                w1 = w2
+                w2 = _load_aux_words(aux_ptr, stride_aux, rows + 2 * R, cols, ahead_end, N)
+                if HAS_SCALE:
+                    s = s1
+                    s1 = s2
+                    s2 = _load_row_scales(scale_ptr, rows + 2 * R, ahead_end)
+                dh = steps.index(c * STEPS + i).load(layout).to(gl.float32)
                 gate, lin = _unpack_pairs(w)
                 if HAS_SCALE:
-                    s = gl.load(scale_ptr + rows, mask=row_ok, other=0.0)
                     dg, dl, h = swiglu_apply_bwd(gate, lin, dh * s[:, None], ALPHA, LIMIT, OFFSET)
                     gl.store(parts_ptr + pid_n.to(gl.int64) * M + rows, gl.sum(dh * h, 1), mask=row_ok)
                     h = h * s[:, None]
@@ -140,18 +158,17 @@ def _dsw_epilogue_partition(bufs, dh_ready, dh_empty, aux_ptr, stride_aux, c_ptr
 @gluon.jit
 def _grouped_mm_ws_dswiglu_kernel(
     a_desc, b_desc,  # a (M, K) [BM, BK]; b (E, N, K) [1, BN, BK] (B_TRANS) or (E, K, N) [1, BK, BN]
-    c_desc,  # a [BM // 2, BN] bf16 box: the dH tile of a consumer (its shape only; never read or written)
     aux_ptr, stride_aux, c_ptr, stride_c,  # aux and d_aux (M, 2N) as int32 words (M, N)
     out2_ptr, stride_out2,  # h (M, N2)
     scale_ptr, parts_ptr,  # HAS_SCALE: s (M,) fp32 and the row sums (tiles_n, M) fp32; else unused
     table, M, N, N2, K,  # the row-tile table of _tile_table_kernel
+    BLOCK_N: gl.constexpr,  # the tile's columns (the B box's)
     NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
     HAS_SCALE: gl.constexpr, ONES_COL: gl.constexpr,  # ONES_COL: N2 > N (module doc)
     ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr,
 ):
-    a_bufs, b_bufs, ready, empty = _ring_state(a_desc, b_desc, 1, 1, STAGES, 2)
+    a_bufs, b_bufs, ready, empty = _ring_state(a_desc, b_desc, 1, STAGES, 2)
     HALF: gl.constexpr = a_desc.block_type.shape[0] // 2
-    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
     bufs = gl.allocate_shared_memory(gl.bfloat16, [2, HALF, BLOCK_N], gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
     dh_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dh_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())

@@ -186,14 +186,12 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, table, K, tile
 
 
 @gluon.jit
-def _ring_state(a_desc, b_desc, A_PER_STAGE: gl.constexpr, B_PER_STAGE: gl.constexpr, STAGES: gl.constexpr,
-                CONSUMERS: gl.constexpr):
-    """The ring in shared memory (A_PER_STAGE A boxes and B_PER_STAGE B boxes per stage) and the
-    ready / empty barriers of each stage (every consumer partition frees every stage)."""
+def _ring_state(a_desc, b_desc, A_PER_STAGE: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """The ring in shared memory (A_PER_STAGE A boxes and one B box per stage) and the ready / empty
+    barriers of each stage (every consumer partition frees every stage)."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [A_PER_STAGE * STAGES] + a_desc.block_type.shape,
                                        a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [B_PER_STAGE * STAGES] + b_desc.block_type.shape,
-                                       b_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -203,11 +201,11 @@ def _ring_state(a_desc, b_desc, A_PER_STAGE: gl.constexpr, B_PER_STAGE: gl.const
 
 
 @gluon.jit
-def _shared_state(a_desc, b_desc, c_desc, A_PER_STAGE: gl.constexpr, B_PER_STAGE: gl.constexpr,
-                  STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+def _shared_state(a_desc, b_desc, c_desc, A_PER_STAGE: gl.constexpr, STAGES: gl.constexpr,
+                  CONSUMERS: gl.constexpr):
     """Shared memory of the kernels: ``_ring_state`` and one epilogue buffer (a c_desc box) per
     consumer partition."""
-    a_bufs, b_bufs, ready, empty = _ring_state(a_desc, b_desc, A_PER_STAGE, B_PER_STAGE, STAGES, CONSUMERS)
+    a_bufs, b_bufs, ready, empty = _ring_state(a_desc, b_desc, A_PER_STAGE, STAGES, CONSUMERS)
     bufs = gl.allocate_shared_memory(c_desc.dtype, [CONSUMERS] + c_desc.block_type.shape, c_desc.layout)
     return a_bufs, b_bufs, bufs, ready, empty
 
@@ -404,7 +402,7 @@ def _grouped_mm_ws_kernel(
     HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr,
     ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr,
 ):
-    a_bufs, b_bufs, bufs, ready, empty = _shared_state(a_desc, b_desc, c_desc, 1, 1, STAGES, 2)
+    a_bufs, b_bufs, bufs, ready, empty = _shared_state(a_desc, b_desc, c_desc, 1, STAGES, 2)
     tiles_n = gl.cdiv(N, c_desc.block_type.shape[1])
 
     # (argument tuples are spelled out: a tuple built with `+` turns constexprs into tensors)
@@ -530,7 +528,7 @@ def _grouped_mm_ws_ragged_k_kernel(
 ):
     """c[g] = a[:, ks_g:ke_g] @ b[ks_g:ke_g] for the groups that offs splits the Kt dim into, rows of c
     past M_C dropped (M - 1 for COLSUM_ROW, else M); an empty group's tiles come out as zeros."""
-    a_bufs, b_bufs, bufs, ready, empty = _shared_state(a_desc, b_desc, c_desc, 2, 1, STAGES, 2)
+    a_bufs, b_bufs, bufs, ready, empty = _shared_state(a_desc, b_desc, c_desc, 2, STAGES, 2)
     if COLSUM == COLSUM_ROW:
         M_C = M - 1
     else:
