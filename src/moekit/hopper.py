@@ -21,6 +21,7 @@ WS_TILE = (128, 256, 64)  # (block_m, block_n, block_k): two consumer warpgroups
 WS_STAGES = 3  # 3 x 48 KB ring + 2 x 32 KB epilogue buffers: 208 KB of the 227 KB
 WS_GROUP_M = 8  # row tiles walked together, for L2 reuse
 WS_MIN_ROWS = 128  # average rows per group below which the rows-ragged GEMM keeps Triton's smaller tiles
+WS_DSWIGLU_STEP_ROWS = 4  # rows per step of the dSwiGLU epilogue partition (8 spilled: hopper_dswiglu.py)
 
 
 
@@ -157,7 +158,8 @@ def ws_dswiglu(a, b, offs, aux, d_aux, h, spec, *, scale=None):
     hd._grouped_mm_ws_dswiglu_kernel[(programs,)](
         a_desc, b_desc, aux_w, aux_w.stride(0), d_aux_w, d_aux_w.stride(0), h, h.stride(0),
         scale if scale is not None else h, parts if parts is not None else h,
-        table, m, n, h.shape[1], k, BLOCK_N=bn, HAS_SCALE=scale is not None, ONES_COL=h.shape[1] > n, num_warps=4,
+        table, m, n, h.shape[1], k, BLOCK_N=bn, HAS_SCALE=scale is not None, ONES_COL=h.shape[1] > n,
+        EPI_ROWS=WS_DSWIGLU_STEP_ROWS, num_warps=4,
         **_ws_constexprs(a, b, spec), maxnreg=168,  # three warpgroups (the kernel's module doc)
     )
     if parts is None:

@@ -41,7 +41,6 @@ from .hopper_gemm import _load_partition, _ring_state, _row_tile_mainloop, _tile
 # a barrier over the calling partition's warps (a named barrier inside warp_specialize): Triton 3.6
 # spells it thread_barrier, 3.7 barrier
 _partition_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
-EPI_STEP_ROWS = gl.constexpr(4)  # rows per step of the epilogue partition (its 2 warps, 2 rows each)
 
 
 @gluon.jit
@@ -96,11 +95,12 @@ def _load_row_scales(scale_ptr, rows, end):
 def _dsw_epilogue_partition(bufs, dh_ready, dh_empty, aux_ptr, stride_aux, c_ptr, stride_c, out2_ptr, stride_out2,
                             scale_ptr, parts_ptr, M, table, N, N2, tiles_n,
                             NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, HAS_SCALE: gl.constexpr,
-                            ONES_COL: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr):
+                            ONES_COL: gl.constexpr, EPI_ROWS: gl.constexpr, ALPHA: gl.constexpr, LIMIT: gl.constexpr,
+                            OFFSET: gl.constexpr):
     """The dSwiGLU epilogue of every tile (module doc), half by half as the consumers hand them over."""
     HALF: gl.constexpr = bufs.shape[1]
     BLOCK_N: gl.constexpr = bufs.shape[2]
-    R: gl.constexpr = EPI_STEP_ROWS
+    R: gl.constexpr = EPI_ROWS
     STEPS: gl.constexpr = HALF // R
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [2, 1], [1, 0])
     # the same bytes as [2 * STEPS, R, BLOCK_N]: step i of consumer c's rows is index c * STEPS + i
@@ -165,6 +165,7 @@ def _grouped_mm_ws_dswiglu_kernel(
     BLOCK_N: gl.constexpr,  # the tile's columns (the B box's)
     NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
     HAS_SCALE: gl.constexpr, ONES_COL: gl.constexpr,  # ONES_COL: N2 > N (module doc)
+    EPI_ROWS: gl.constexpr,  # rows per step of the epilogue partition (a multiple of 2: its 2 warps)
     ALPHA: gl.constexpr, LIMIT: gl.constexpr, OFFSET: gl.constexpr,
 ):
     a_bufs, b_bufs, ready, empty = _ring_state(a_desc, b_desc, 1, STAGES, 2)
@@ -186,7 +187,7 @@ def _grouped_mm_ws_dswiglu_kernel(
                                   table, K, tiles_n, 1, NUM_SMS, STAGES, B_TRANS)),
             (_dsw_epilogue_partition, (bufs, dh_ready, dh_empty, aux_ptr, stride_aux, c_ptr, stride_c, out2_ptr,
                                        stride_out2, scale_ptr, parts_ptr, M, table, N, N2, tiles_n,
-                                       NUM_SMS, GROUP_M, HAS_SCALE, ONES_COL, ALPHA, LIMIT, OFFSET)),
+                                       NUM_SMS, GROUP_M, HAS_SCALE, ONES_COL, EPI_ROWS, ALPHA, LIMIT, OFFSET)),
             (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, table, K, tiles_n,
                                NUM_SMS, GROUP_M, STAGES, B_TRANS)),
         ],
