@@ -21,8 +21,11 @@ whatever ``setmaxnreg`` a partition asks for, and a consumer's 64 x 256 fp32 acc
 A 4-warp epilogue would make four warpgroups (512 threads, 128 registers); with 2 warps the kernel
 stays at three (384 threads, 168 registers for every partition).
 
-The buffers are row-major with a 16-byte XOR swizzle by row (conflict-free for the consumers' stores
-and the epilogue's row reads). The epilogue walks 4-row steps in a runtime loop (one copy of the
+The buffers are row-major with a 16-byte XOR swizzle by row whose period is the step's rows
+(``min(EPI_ROWS, 8)``): the epilogue views a buffer as [steps, EPI_ROWS, BLOCK_N], and a shared layout
+swizzles by the row index inside its last two dims, so the period must divide EPI_ROWS for the view to
+address the bytes the consumer wrote. With 4-row steps the consumers' stores take a 2-way bank conflict
+(a period of 8 would make them conflict-free); the epilogue's row reads are conflict-free either way. The epilogue walks 4-row steps in a runtime loop (one copy of the
 math in the instruction cache), each thread 2 rows x 8 columns (16-byte loads and stores), with
 each step's aux and row-scale loads issued two steps ahead of its math. (8-row steps spilled 136
 bytes per step under gpt-oss's clamps; 4-row steps spill none with plain SwiGLU, 32 bytes with the
@@ -170,7 +173,8 @@ def _grouped_mm_ws_dswiglu_kernel(
 ):
     a_bufs, b_bufs, ready, empty = _ring_state(a_desc, b_desc, 1, STAGES, 2)
     HALF: gl.constexpr = a_desc.block_type.shape[0] // 2
-    bufs = gl.allocate_shared_memory(gl.bfloat16, [2, HALF, BLOCK_N], gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
+    PERIOD: gl.constexpr = 8 if EPI_ROWS >= 8 else EPI_ROWS  # the swizzle's period in rows (module doc)
+    bufs = gl.allocate_shared_memory(gl.bfloat16, [2, HALF, BLOCK_N], gl.SwizzledSharedLayout(8, 1, PERIOD, [1, 0]))
     dh_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dh_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
