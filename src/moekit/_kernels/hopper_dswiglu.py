@@ -25,11 +25,15 @@ The buffers are row-major with a 16-byte XOR swizzle by row whose period is the 
 (``min(EPI_ROWS, 8)``): the epilogue views a buffer as [steps, EPI_ROWS, BLOCK_N], and a shared layout
 swizzles by the row index inside its last two dims, so the period must divide EPI_ROWS for the view to
 address the bytes the consumer wrote. With 4-row steps the consumers' stores take a 2-way bank conflict
-(a period of 8 would make them conflict-free); the epilogue's row reads are conflict-free either way. The epilogue walks 4-row steps in a runtime loop (one copy of the
-math in the instruction cache), each thread 2 rows x 8 columns (16-byte loads and stores), with
-each step's aux and row-scale loads issued two steps ahead of its math. (8-row steps spilled 136
-bytes per step under gpt-oss's clamps; 4-row steps spill none with plain SwiGLU, 32 bytes with the
-clamps.) The same rows-ragged tile walk as
+(a period of 8 would make them conflict-free); the epilogue's row reads are conflict-free either way.
+
+The epilogue walks 4-row steps in a runtime loop (one copy of the math in the instruction cache),
+each thread 2 rows x 2 runs of 4 columns, so that a warp's access to a row is contiguous and fills
+whole 32-byte sectors (8 contiguous words per thread had each instruction touch every sector half,
+twice the L2 requests); each step's aux and row-scale loads go out two steps ahead of its math. The
+aux loads and the d_aux and h stores ask L2 to evict them first: they stream once, and the main
+loop's operands are what L2 should keep. (8-row steps spilled 136 bytes per step under gpt-oss's
+clamps; 4-row steps spill none with plain SwiGLU, 32 bytes with the clamps.) The same rows-ragged tile walk as
 the other kernels (``_tile_clamped``): rows of a tile past its group's end are masked, and the
 row-tile table's kernel zero-fills the rows of c and out2 past offs[-1].
 """
@@ -85,7 +89,8 @@ def _dsw_mma_partition(a_bufs, b_bufs, ready, empty, buf, dh_ready, dh_empty, ta
 def _load_aux_words(aux_ptr, stride_aux, rows, cols, end, N):
     """aux words (gate, linear) of dH columns ``cols`` for ``rows``; zeros past the group's end or N."""
     mask = (rows < end)[:, None] & (cols < N)[None, :]
-    return gl.load(aux_ptr + rows.to(gl.int64)[:, None] * stride_aux + cols[None, :], mask=mask, other=0)
+    return gl.load(aux_ptr + rows.to(gl.int64)[:, None] * stride_aux + cols[None, :], mask=mask, other=0,
+                   eviction_policy="evict_first")
 
 
 @gluon.jit
@@ -105,7 +110,9 @@ def _dsw_epilogue_partition(bufs, dh_ready, dh_empty, aux_ptr, stride_aux, c_ptr
     BLOCK_N: gl.constexpr = bufs.shape[2]
     R: gl.constexpr = EPI_ROWS
     STEPS: gl.constexpr = HALF // R
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [2, 1], [1, 0])
+    # 4 consecutive columns per thread: a warp's load or store of a row is one contiguous run (16-byte
+    # words, 8-byte bf16), so every 32-byte sector is whole in one instruction
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [2, 1], [1, 0])
     # the same bytes as [2 * STEPS, R, BLOCK_N]: step i of consumer c's rows is index c * STEPS + i
     steps = bufs._reinterpret(bufs.dtype, [2 * STEPS, R, BLOCK_N], bufs.type.layout)
     rows_in = gl.arange(0, R, layout=gl.SliceLayout(1, layout))
@@ -149,11 +156,12 @@ def _dsw_epilogue_partition(bufs, dh_ready, dh_empty, aux_ptr, stride_aux, c_ptr
                 else:
                     dg, dl, h = swiglu_apply_bwd(gate, lin, dh, ALPHA, LIMIT, OFFSET)
                 rows64 = rows.to(gl.int64)[:, None]
-                gl.store(c_ptr + rows64 * stride_c + cols[None, :], _pack_pairs(dg, dl), mask=row_ok[:, None] & col_ok)
+                gl.store(c_ptr + rows64 * stride_c + cols[None, :], _pack_pairs(dg, dl), mask=row_ok[:, None] & col_ok,
+                         eviction_policy="evict_first")
                 if ONES_COL:
                     h = gl.where(cols[None, :] == N, 1.0, h)
                 gl.store(out2_ptr + rows64 * stride_out2 + cols[None, :], h.to(out2_ptr.dtype.element_ty),
-                         mask=row_ok[:, None] & h_ok)
+                         mask=row_ok[:, None] & h_ok, eviction_policy="evict_first")
             _partition_barrier()  # both warps have read the half: its consumer may write the next tile's
             mbarrier.arrive(dh_empty.index(c))
 
