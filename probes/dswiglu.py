@@ -4,9 +4,10 @@
     python probes/dswiglu.py [shape ...] [--rounds 7] [--no-block] [--configs plain gpt-oss] [--layouts d-f f-d]
 
 Per block shape (the block's routing, row scales as the bias-free block passes them), for plain SwiGLU
-and gpt-oss's clamped one, and the down weight stored (E, D, F) as the block stores it or (E, F, D): paired times of ``grouped_mm_dswiglu`` both ways and whether d_aux and h
-match bit for bit (the row scales' gradient to fp32 rounding); then paired times of the block's
-training step with ``fused_dswiglu`` off and on, per block configuration.
+and gpt-oss's clamped one, and the down weight stored (E, D, F) as the block stores it or (E, F, D):
+paired times of ``grouped_mm_dswiglu`` both ways and whether d_aux and h match bit for bit (the row
+scales' gradient to fp32 rounding); then paired times of the block's training step with
+``fused_dswiglu`` off and on, per block configuration.
 """
 
 import argparse
@@ -62,8 +63,8 @@ def kernel_ab(shape, spec_name, layout, rounds):
                for a, b in zip(outs["base"][:2], outs[key][:2], strict=True))
     ds = max((outs["base"][2] - outs[key][2]).abs().max().item() for key in ("fused", "fused8"))
     cells = paired_ratios(fns, "dgrad + pass", rounds=rounds, warmup_ms=30, rep_ms=100)
-    print(f"| {shape.name} | kernel, {spec_name} SwiGLU, w {layout} | {' | '.join(cells)} | d_aux, h bit-equal: {same}; "
-          f"max |d_scale diff| {ds:.1e} |", flush=True)
+    print(f"| {shape.name} | kernel, {spec_name} SwiGLU, w {layout} | {' | '.join(cells)} | "
+          f"d_aux, h bit-equal: {same}; max |d_scale diff| {ds:.1e} |", flush=True)
 
 
 def block_ab(shape, config, rounds):
