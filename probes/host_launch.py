@@ -61,7 +61,8 @@ def main():
     def table_launch():
         hk._tile_table_kernel[(max(triton.cdiv(max_row_tiles, 32), 8),)](
             offs, table, c, c, m, c.shape[1], 0, w2.shape[0], c.stride(0), c.stride(0), max_row_tiles,
-            BLOCK_M=bm, BLOCK_E=triton.next_power_of_2(w2.shape[0] + 1), BLOCK_T=32, BLOCK_Z=32, num_warps=4,
+            BLOCK_M=bm, BLOCK_E=triton.next_power_of_2(w2.shape[0] + 1), BLOCK_T=32, BLOCK_Z=32, ZERO_TAIL=True,
+            num_warps=4,
         )
 
     from triton.experimental.gluon import language as gl

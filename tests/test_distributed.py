@@ -61,9 +61,9 @@ def _match_moe(rank, world, *, block="plain", splits="host", chunks=1, top_k=2, 
     present = []  # the receiving side's combine index: exactly the local choices present, the others -1
     real_experts = ep.experts.forward
 
-    def experts_spy(x_recv, counts, token_idx, row_of, *rest):
+    def experts_spy(x_recv, counts, token_idx, row_of, *rest, **kw):
         present.append(((row_of >= 0).sum().item(), counts.sum().item()))
-        return real_experts(x_recv, counts, token_idx, row_of, *rest)
+        return real_experts(x_recv, counts, token_idx, row_of, *rest, **kw)
 
     ep.experts.forward = experts_spy
     y = ep(x)

@@ -327,3 +327,49 @@ def test_permute_free_dispatch(interpreter, tma_path, layout, d):
     for name, got, want, base in zip(("dx", "dw1", "db1", "dw2"), (x.grad, w1.grad, b1.grad, w2.grad),
                                      grads64, grads16, strict=True):
         assert_within_baseline(got, want, base, what=name)
+
+
+@pytest.mark.parametrize("save_h", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_unwritten_tails(interpreter, tma_path, bias, save_h):
+    """tail="unwritten" (expert parallelism's fixed slots): the rows past offs[-1] of h, aux, the output
+    and the dgrads are left as they were (NaN here: every output starts poisoned), the rows of the
+    groups and every gradient equal the default path's bit for bit, and the tails' NaN reaches none."""
+    from moekit.routing import routing_metadata_fwd, sorted_weights
+
+    t, k, e, d, f = 24, 2, 4, 32, 24
+    ids = torch.rand(t, e + 1).topk(k, -1).indices.to(torch.int32)  # id e: "another rank's": dropped
+    _, offs, token_idx, row_of = routing_metadata_fwd(torch.where(ids < e, ids, e), e + 1)
+    offs, tail = offs[:e], int(offs[e - 1])
+    absent = torch.where(row_of < tail, row_of, -1)
+    assert 0 < tail < t * k
+    x = torch.randn(t, d).to(BF16)
+    w1 = (torch.randn(e, 2 * f, d) / d**0.5).to(BF16)
+    w2 = (torch.randn(e, d, f) / f**0.5).to(BF16)
+    b1, b2 = (torch.randn(e, 2 * f).to(BF16), torch.randn(e, d).to(BF16)) if bias else (None, None)
+    weights = torch.rand(t, k)
+    dy = torch.randn(t, d).to(BF16)
+
+    def run(tail_mode):
+        leaves = [v.clone().requires_grad_() for v in (x, w1, w2, weights)]
+        bs = [None if v is None else v.clone().requires_grad_() for v in (b1, b2)]
+        scale = None if bias else sorted_weights(leaves[3], absent)
+        with moekit.options(save_h=save_h):
+            h, aux = grouped_mm_swiglu(leaves[0], leaves[1].mT, offs, bias=bs[0], token_idx=token_idx,
+                                       row_of=absent, row_scale=scale, tail=tail_mode)
+            out = grouped_mm_downproj(h, leaves[2].mT, offs, bias=bs[1], aux_biased_acc=aux, row_scale=scale,
+                                      tail=tail_mode)
+        y = moekit.combine(out, leaves[3] if bias else None, absent)
+        y.backward(dy)
+        grads = [v.grad for v in leaves + bs if v is not None]
+        return h, aux, out, grads
+
+    h, aux, out, grads = run("unwritten")
+    h0, aux0, out0, grads0 = run("zeros")
+    for got, want in ((h, h0), (aux, aux0), (out, out0)):
+        assert torch.equal(got[:tail], want[:tail]) and not want[tail:].any()
+        assert got[tail:].isnan().all()  # never written
+    for got, want in zip(grads, grads0, strict=True):
+        assert not got.isnan().any() and torch.equal(got, want)
+    with pytest.raises(ValueError, match="tail"):
+        grouped_mm_swiglu(x, w1.mT, offs, tail="none")

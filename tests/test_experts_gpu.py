@@ -263,12 +263,13 @@ def test_opcheck():
     # h included, which the fused contract rejects by design (test_gradient_through_h_raises). Its
     # autograd is checked against float64 above.
     scale = torch.rand(1024, device=DEV) + 0.5
-    torch.library.opcheck(_grouped_mm_swiglu_op.op, (x, w1, offs, b1, None, None, None, *spec))
-    torch.library.opcheck(_grouped_mm_swiglu_op.op, (x, w1, offs, b1, None, None, scale, *spec))
-    h, aux = _grouped_mm_swiglu_op(x, w1, offs, b1, None, None, None, *spec)
-    torch.library.opcheck(_grouped_mm_downproj_op.op, (h.detach(), _leaf(w2), offs, _leaf(b2), _leaf(aux), None, *spec))
+    torch.library.opcheck(_grouped_mm_swiglu_op.op, (x, w1, offs, b1, None, None, None, *spec, True))
+    torch.library.opcheck(_grouped_mm_swiglu_op.op, (x, w1, offs, b1, None, None, scale, *spec, False))
+    h, aux = _grouped_mm_swiglu_op(x, w1, offs, b1, None, None, None, *spec, True)
     torch.library.opcheck(_grouped_mm_downproj_op.op,
-                          (h.detach(), _leaf(w2), offs, None, _leaf(aux), _leaf(scale), *spec))
+                          (h.detach(), _leaf(w2), offs, _leaf(b2), _leaf(aux), None, *spec, True))
+    torch.library.opcheck(_grouped_mm_downproj_op.op,
+                          (h.detach(), _leaf(w2), offs, None, _leaf(aux), _leaf(scale), *spec, False))
     dy = torch.randn(1024, 256, device=DEV, dtype=BF16)
     # h recomputed: db_down in the wgrad (F % 128 != 0), or a column-sum pass
     torch.library.opcheck(_grouped_mm_downproj_bwd_op.op, (dy, w2, offs, aux, None, None, True, True, *spec))

@@ -238,9 +238,11 @@ def test_validate_checks_offs_values(bad):
     pytest.param([300, 0, 517, 4000], 1100, id="offs-past-m"),  # a bad offs is clamped to M, never past it
     pytest.param([0, 0], 40, id="all-tail"),  # no row tiles at all
 ])
-def test_warp_specialized_tile_table(interpreter, counts, m):
+@pytest.mark.parametrize("zero_tail", [True, False], ids=["zero-tail", "unwritten-tail"])
+def test_warp_specialized_tile_table(interpreter, counts, m, zero_tail):
     """The row-tile table of the warp-specialized Hopper GEMM (a plain Triton prologue, so it runs
-    here; the Gluon GEMM itself needs an sm_90 GPU: tests/test_grouped_gemm_gpu.py)."""
+    here; the Gluon GEMM itself needs an sm_90 GPU: tests/test_grouped_gemm_gpu.py), and the zeros it
+    writes past offs[-1] (none without ZERO_TAIL)."""
     from moekit._kernels.hopper_gemm import _tile_table_kernel
 
     e, bm, n, n2 = len(counts), 128, 300, 10
@@ -249,7 +251,7 @@ def test_warp_specialized_tile_table(interpreter, counts, m):
     table = torch.full((4 * (max_tiles + 1),), -7, dtype=torch.int32)
     c, c2 = torch.ones(m, n), torch.ones(m, n2)
     _tile_table_kernel[(8,)](offs, table, c, c2, m, n, n2, e, c.stride(0), c2.stride(0), max_tiles,
-                             BLOCK_M=bm, BLOCK_E=8, BLOCK_T=128, BLOCK_Z=32)
+                             BLOCK_M=bm, BLOCK_E=8, BLOCK_T=128, BLOCK_Z=32, ZERO_TAIL=zero_tail)
     ends = offs.clamp(max=m).tolist()
     starts = [0] + ends[:-1]
     first = [sum(-(-(ends[h] - starts[h]) // bm) for h in range(g)) for g in range(e)]
@@ -257,5 +259,8 @@ def test_warp_specialized_tile_table(interpreter, counts, m):
     assert table[0].item() == len(want)
     assert table[4:].view(-1, 4).tolist() == want + [[0, 0, 0, 0]] * (max_tiles - len(want))
     tail = ends[-1]
-    assert not c[tail:].any() and not c2[tail:].any()
+    if zero_tail:
+        assert not c[tail:].any() and not c2[tail:].any()
+    else:
+        assert (c[tail:] == 1).all() and (c2[tail:] == 1).all()
     assert (c[:tail] == 1).all() and (c2[:tail] == 1).all()

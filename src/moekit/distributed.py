@@ -533,15 +533,18 @@ class ExpertParallelMoE(nn.Module):
         weights = meta[:, :k]
         ids = meta[:, k:].detach().contiguous().view(torch.int32) - 1
         counts, offs, token_idx, row_of = routing_metadata(ids, self.local_experts)  # -1 (other ranks): dropped
-        scale = sorted_weights(weights, row_of) if scaled else None
         if c.pairs is not None:  # host splits: the rows of this rank's choices only, the others absent
             rows = c.pairs
+            scale = sorted_weights(weights, row_of)[:rows] if scaled else None
             token_idx, row_of = token_idx[:rows], torch.where(row_of < rows, row_of, -1)
-            scale = None if scale is None else scale[:rows]
-        else:  # device splits: every choice keeps a row, those of other ranks' experts past offs[-1] (zero);
-            # marked absent, so that the combine and its backward skip them
+            tail = "zeros"
+        else:  # device splits: every choice keeps a row, those of other ranks' experts past offs[-1],
+            # marked absent, so that the routing weights, the combine and their backward skip them; the
+            # experts leave those rows unwritten (nothing reads them) instead of writing zeros
             row_of = torch.where(row_of < offs[-1], row_of, -1)
-        y = self.experts(x_recv, counts, token_idx, row_of, scale, offs)
+            scale = sorted_weights(weights, row_of) if scaled else None
+            tail = "unwritten"
+        y = self.experts(x_recv, counts, token_idx, row_of, scale, offs, tail=tail)
         part = combine(y, None if scaled else weights, row_of)  # (N, D) this rank's share of each token
         c.back = c.ex.reverse()
         c.out = all_to_all_start(part, c.back)

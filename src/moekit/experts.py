@@ -71,11 +71,12 @@ def _tma_views_ok(x, w, tensors) -> bool:
 
 
 def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig | None = None, token_idx=None,
-                          row_scale=None):
+                          row_scale=None, zero_tail: bool = True):
     """x (M, D), w (E, D, 2F), bias (E, 2F) or None -> (h (M, F), aux (M, 2F)) in x.dtype.
 
     With ``token_idx`` (R,) int32, x is (T, D) and row r of the GEMM is x[token_idx[r]] (M = R). With
-    ``row_scale`` (M,) fp32, h[r] = row_scale[r] * SwiGLU(aux[r]) (on the Triton kernel)."""
+    ``row_scale`` (M,) fp32, h[r] = row_scale[r] * SwiGLU(aux[r]) (on the Triton kernel). Rows past
+    offs[-1] are zeros, or left unwritten without ``zero_tail``."""
     d = x.shape[1]
     m = x.shape[0] if token_idx is None else token_idx.numel()
     e, two_f = w.shape[0], w.shape[2]
@@ -85,7 +86,7 @@ def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig
     if m == 0 or f == 0:
         return h, aux
     if cfg is None and token_idx is None and row_scale is None and not spec.halves and ws_ok(x, w, aux, h):
-        ws_gemm(x, w, offs, aux, epilogue=Epilogue.SWIGLU, bias=bias, out2=h, spec=spec)
+        ws_gemm(x, w, offs, aux, epilogue=Epilogue.SWIGLU, bias=bias, out2=h, spec=spec, zero_tail=zero_tail)
         return h, aux
     sms = config.num_sms(x.device)
     cfg = cfg or config.grouped_mm_config(
@@ -116,13 +117,14 @@ def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig
         aux.stride(0), h.stride(0), bias.stride(0) if bias is not None else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(e + 1),
         B_TRANS=w.stride(2) != 1, USE_TMA=tma, DOT_F32=config.is_interpreting(), FLATTEN=cfg.flatten,
-        OUT_DTYPE=_TL_DTYPES[x.dtype], **spec.constexprs(),
+        OUT_DTYPE=_TL_DTYPES[x.dtype], **spec.constexprs(), ZERO_TAIL=zero_tail,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return h, aux
 
 
-def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = False, scale=None):
+def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = False, scale=None,
+                       zero_tail: bool = True):
     """Down-projection dgrad with the SwiGLU backward: grad (M, D) = dOut, w (E, F, D) the down weight,
     aux (M, 2F) -> (d_aux (M, 2F), h, dscale), with dH = grad @ w[g]^T, d_aux = dSwiGLU(aux) * dH and the
     recomputed h = SwiGLU(aux) that dW_down needs. h is (M, F); with ``ones_col`` it is a (M, F + 1)
@@ -145,13 +147,14 @@ def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = Fal
     if fused and m and f and ws_dswiglu_ok(grad, w_t, aux, h_cols, scale):
         d_aux = config.empty((m, two_f), dtype=aux.dtype, device=aux.device)
         h = config.empty((m, h_cols), dtype=aux.dtype, device=aux.device)
-        dscale = ws_dswiglu(grad, w_t, offs, aux, d_aux, h, spec, scale=scale)
+        dscale = ws_dswiglu(grad, w_t, offs, aux, d_aux, h, spec, scale=scale, zero_tail=zero_tail)
         return d_aux, h[:, : f + 1] if ones_col else h, dscale
-    dh = grouped_mm_fwd(grad, w_t, offs)
-    return swiglu_bwd(aux, dh, spec, with_h=True, ones_col=ones_col, scale=scale)
+    dh = _ragged_m(grad, w_t, offs, grad.dtype, None, zero_tail=zero_tail)
+    return swiglu_bwd(aux, dh, spec, with_h=True, ones_col=ones_col, scale=scale, bound=None if zero_tail else offs)
 
 
-def downproj_bwd(grad, w, offs, aux, spec: SwiGLU, *, need_w: bool, need_b: bool, h=None, scale=None):
+def downproj_bwd(grad, w, offs, aux, spec: SwiGLU, *, need_w: bool, need_b: bool, h=None, scale=None,
+                 zero_tail: bool = True):
     """Backward of the fused down-projection: grad (M, D), w (E, F, D), aux (M, 2F), h (M, F) saved
     from the forward or None, scale (M,) fp32 row scales or None -> (d_aux (M, 2F), dW_down (E, F, D)
     or None, db_down (E, D) fp32 or None, d_scale (M,) fp32 or None).
@@ -162,7 +165,8 @@ def downproj_bwd(grad, w, offs, aux, spec: SwiGLU, *, need_w: bool, need_b: bool
     it is a column-sum pass over dOut."""
     f = aux.shape[1] // 2
     if h is not None:
-        d_aux, _, dscale = swiglu_bwd(aux, grouped_mm_fwd(grad, w.mT, offs), spec, scale=scale)
+        dh = _ragged_m(grad, w.mT, offs, grad.dtype, None, zero_tail=zero_tail)
+        d_aux, _, dscale = swiglu_bwd(aux, dh, spec, scale=scale, bound=None if zero_tail else offs)
         dw = db = None
         if need_w and need_b:
             dw, db = _ragged_k(h.mT, grad, offs, grad.dtype, None, colsum=True)
@@ -172,7 +176,7 @@ def downproj_bwd(grad, w, offs, aux, spec: SwiGLU, *, need_w: bool, need_b: bool
             db = grouped_colsum(grad, offs)
         return d_aux, dw, db, dscale
     ones = need_w and need_b and config.ones_row_is_free(f)
-    d_aux, h, dscale = grouped_mm_dswiglu(grad, w, offs, aux, spec, ones_col=ones, scale=scale)
+    d_aux, h, dscale = grouped_mm_dswiglu(grad, w, offs, aux, spec, ones_col=ones, scale=scale, zero_tail=zero_tail)
     if ones:
         dw, db = _ragged_k(h.mT, grad, offs, grad.dtype, None, ones_row=True)
     else:
@@ -216,13 +220,14 @@ def swiglu_fwd(pre: torch.Tensor, spec: SwiGLU) -> torch.Tensor:
 
 
 def swiglu_bwd(pre: torch.Tensor, dh: torch.Tensor, spec: SwiGLU, *, with_h: bool = False, ones_col: bool = False,
-               scale: torch.Tensor | None = None):
+               scale: torch.Tensor | None = None, bound: torch.Tensor | None = None):
     """SwiGLU backward pass: pre (M, 2F), dh (M, F) -> (d_pre (M, 2F), h or None, d_scale or None).
 
     ``with_h``: also the recomputed h (M, F), and with ``ones_col`` that h as a (M, F + 1) view whose
     last column is ones (``grouped_mm_dswiglu``). ``scale`` (M,) fp32: the forward's h was
     s * SwiGLU(pre), so d_pre = dSwiGLU(pre) * (s * dh), h = s * SwiGLU(pre), and d_scale (M,) fp32 is
-    <dh, SwiGLU(pre)> per row."""
+    <dh, SwiGLU(pre)> per row. ``bound``: the grouped GEMMs' offs (E,); rows past offs[-1] are then
+    neither read nor written (their outputs stay unwritten)."""
     pre, dh = unit_columns(pre), unit_columns(dh)
     m, two_f = pre.shape
     f = two_f // 2
@@ -238,7 +243,8 @@ def swiglu_bwd(pre: torch.Tensor, dh: torch.Tensor, spec: SwiGLU, *, with_h: boo
     if m:
         _swiglu_bwd_kernel[(triton.cdiv(m, block_r), col_blocks)](
             pre, dh, dpre, h, m, f, pre.stride(0), dh.stride(0), dpre.stride(0),
-            h.stride(0) if with_h else 0, h_cols or 0, scale, parts, **spec.constexprs(),
+            h.stride(0) if with_h else 0, h_cols or 0, scale, parts, None if bound is None else bound[-1:],
+            **spec.constexprs(),
             ONES_COL=ones_col, BLOCK_R=block_r, BLOCK_F=block_f, num_warps=warps,
         )
     if with_h and ones_col:
@@ -298,14 +304,14 @@ def _spec(alpha, limit, linear_offset, layout) -> SwiGLU:
 def _grouped_mm_swiglu_op(
     x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, bias: torch.Tensor | None,
     token_idx: torch.Tensor | None, row_of: torch.Tensor | None, row_scale: torch.Tensor | None,
-    alpha: float, limit: float | None, linear_offset: float, layout: str,
+    alpha: float, limit: float | None, linear_offset: float, layout: str, zero_tail: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     spec = _spec(alpha, limit, linear_offset, layout)
-    return grouped_mm_swiglu_fwd(x, w, offs, bias, spec, token_idx=token_idx, row_scale=row_scale)
+    return grouped_mm_swiglu_fwd(x, w, offs, bias, spec, token_idx=token_idx, row_scale=row_scale, zero_tail=zero_tail)
 
 
 @_grouped_mm_swiglu_op.register_fake
-def _(x, w, offs, bias, token_idx, row_of, row_scale, alpha, limit, linear_offset, layout):
+def _(x, w, offs, bias, token_idx, row_of, row_scale, alpha, limit, linear_offset, layout, zero_tail):
     two_f = w.shape[2]
     rows = x.shape[0] if token_idx is None else token_idx.shape[0]
     return x.new_empty((rows, two_f // 2)), x.new_empty((rows, two_f))
@@ -315,10 +321,10 @@ def _(x, w, offs, bias, token_idx, row_of, row_scale, alpha, limit, linear_offse
 def _grouped_mm_downproj_bwd_op(
     grad: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, aux: torch.Tensor, h: torch.Tensor | None,
     row_scale: torch.Tensor | None, need_w: bool, need_b: bool,
-    alpha: float, limit: float | None, linear_offset: float, layout: str,
+    alpha: float, limit: float | None, linear_offset: float, layout: str, zero_tail: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     d_aux, dw, db, ds = downproj_bwd(grad, w, offs, aux, _spec(alpha, limit, linear_offset, layout),
-                                     need_w=need_w, need_b=need_b, h=h, scale=row_scale)
+                                     need_w=need_w, need_b=need_b, h=h, scale=row_scale, zero_tail=zero_tail)
     # custom ops return no None: an empty tensor stands in
     dw = grad.new_empty(0) if dw is None else dw
     db = grad.new_empty(0, dtype=torch.float32) if db is None else db
@@ -327,7 +333,7 @@ def _grouped_mm_downproj_bwd_op(
 
 
 @_grouped_mm_downproj_bwd_op.register_fake
-def _(grad, w, offs, aux, h, row_scale, need_w, need_b, alpha, limit, linear_offset, layout):
+def _(grad, w, offs, aux, h, row_scale, need_w, need_b, alpha, limit, linear_offset, layout, zero_tail):
     e, f, d = w.shape
     if not need_w:
         dw = grad.new_empty(0)
@@ -388,13 +394,30 @@ def _(x, grad, offs):
 def _grouped_mm_downproj_op(
     h: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, bias: torch.Tensor | None, aux: torch.Tensor | None,
     row_scale: torch.Tensor | None, alpha: float, limit: float | None, linear_offset: float, layout: str,
+    zero_tail: bool,
 ) -> torch.Tensor:
-    return _ragged_m(h, w, offs, h.dtype, None, bias=bias)
+    return _ragged_m(h, w, offs, h.dtype, None, bias=bias, zero_tail=zero_tail)
 
 
 @_grouped_mm_downproj_op.register_fake
-def _(h, w, offs, bias, aux, row_scale, alpha, limit, linear_offset, layout):
+def _(h, w, offs, bias, aux, row_scale, alpha, limit, linear_offset, layout, zero_tail):
     return h.new_empty((h.shape[0], w.shape[2]))
+
+
+@custom_op("moekit::grouped_mm_rows")
+def _rows_dgrad_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, zero_tail: bool) -> torch.Tensor:
+    # a (M, K) @ b (E, K, N) in a's dtype, the rows past offs[-1] zeros or unwritten: the dgrads of the
+    # expert ops, which pass their callers' tail contract on
+    return _ragged_m(a, b, offs, a.dtype, None, zero_tail=zero_tail)
+
+
+@_rows_dgrad_op.register_fake
+def _(a, b, offs, zero_tail):
+    return a.new_empty((a.shape[0], b.shape[2]))
+
+
+def _rows_dgrad(a, b, offs, zero_tail: bool):
+    return _grouped_mm_op(a, b, offs, None) if zero_tail else _rows_dgrad_op(a, b, offs, False)
 
 
 def _bias_grad(grad, offs, bias):
@@ -403,6 +426,7 @@ def _bias_grad(grad, offs, bias):
 
 def _grouped_mm_swiglu_setup(ctx, inputs, output):
     x, w, offs, bias, token_idx, row_of, *_ = inputs  # (row_scale gets its gradient from the down-projection)
+    ctx.zero_tail = inputs[-1]
     ctx.save_for_backward(x, w, offs, bias, token_idx, row_of)
     ctx.set_materialize_grads(False)  # an unused h must arrive as None, not as zeros
 
@@ -412,10 +436,10 @@ def _grouped_mm_swiglu_backward(ctx, grad_h, grad_aux):
         raise RuntimeError(H_GRADIENT_ERROR)
     x, w, offs, bias, token_idx, row_of = ctx.saved_tensors
     if grad_aux is None:
-        return (None,) * 11
+        return (None,) * 12
     d_aux = matrix_ready(grad_aux)
     need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
-    grad_x = _grouped_mm_op(d_aux, w.mT, offs, None) if need_x else None
+    grad_x = _rows_dgrad(d_aux, w.mT, offs, ctx.zero_tail) if need_x else None
     grad_b = None
     if token_idx is None:
         if need_w and need_b:
@@ -438,15 +462,16 @@ def _grouped_mm_swiglu_backward(ctx, grad_h, grad_aux):
             grad_w = None
     if need_b and grad_b is None:
         grad_b = _bias_grad(d_aux, offs, bias)
-    return grad_x, grad_w, None, grad_b, None, None, None, None, None, None, None
+    return grad_x, grad_w, None, grad_b, None, None, None, None, None, None, None, None
 
 
 _grouped_mm_swiglu_op.register_autograd(_grouped_mm_swiglu_backward, setup_context=_grouped_mm_swiglu_setup)
 
 
 def _grouped_mm_downproj_setup(ctx, inputs, output):
-    h, w, offs, bias, aux, row_scale, alpha, limit, linear_offset, layout = inputs
+    h, w, offs, bias, aux, row_scale, alpha, limit, linear_offset, layout, zero_tail = inputs
     ctx.spec = (alpha, limit, linear_offset, layout)
+    ctx.zero_tail = zero_tail
     ctx.fused = aux is not None
     # With aux, the weight gradient takes h saved (the save_h option) or recomputed from aux; h is kept
     # only for a weight that needs a gradient.
@@ -461,17 +486,17 @@ def _grouped_mm_downproj_backward(ctx, grad):
     grad_h = grad_aux = grad_s = None
     if ctx.fused:
         grad_aux, grad_w, grad_b, grad_s = _grouped_mm_downproj_bwd_op(
-            grad, w, offs, saved, h, row_scale, need_w, need_b, *ctx.spec
+            grad, w, offs, saved, h, row_scale, need_w, need_b, *ctx.spec, ctx.zero_tail
         )
         grad_aux = grad_aux if need_aux else None
         grad_w = grad_w if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
         grad_s = grad_s.to(row_scale.dtype) if need_s else None
     else:
-        grad_h = _grouped_mm_op(grad, w.mT, offs, None) if need_h else None
+        grad_h = _rows_dgrad(grad, w.mT, offs, ctx.zero_tail) if need_h else None
         grad_w = weight_grad(saved, grad, offs, w, _op_mm) if need_w else None
         grad_b = _bias_grad(grad, offs, bias) if need_b else None
-    return grad_h, grad_w, None, grad_b, grad_aux, grad_s, None, None, None, None
+    return grad_h, grad_w, None, grad_b, grad_aux, grad_s, None, None, None, None, None
 
 
 _grouped_mm_downproj_op.register_autograd(_grouped_mm_downproj_backward, setup_context=_grouped_mm_downproj_setup)
@@ -526,13 +551,16 @@ def grouped_mm_swiglu(
     token_idx: torch.Tensor | None = None,
     row_of: torch.Tensor | None = None,
     row_scale: torch.Tensor | None = None,
+    tail: str = "zeros",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Up-projection with bias and SwiGLU fused: returns ``(h, aux)``.
 
     x (M, D) bf16/fp16 rows sorted by expert; w_up (E, D, 2F), e.g. a ``(E, 2F, D)`` torchtitan weight
     passed as ``w.mT`` (no copy); bias (E, 2F) or None; offs (E,) int32 cumulative row ends.
     ``aux`` = x @ w_up[g] + bias[g] (M, 2F) in x.dtype, ``h`` = SwiGLU(aux) (M, F); rows past
-    offs[-1] are zero in both. See :class:`moekit.epilogue.SwiGLU` for the activation and layouts.
+    offs[-1] are zero in both (``tail="unwritten"``: left unwritten there, and in the gradients the
+    backward computes, for a caller that reads none of those rows, such as expert parallelism's fixed
+    slots). See :class:`moekit.epilogue.SwiGLU` for the activation and layouts.
 
     Permute-free dispatch: with ``token_idx`` (R,) and ``row_of`` (T, K) int32 from
     :func:`moekit.topk_router`, x is the (T, D) token matrix and the GEMM reads row r as
@@ -561,10 +589,11 @@ def grouped_mm_swiglu(
         if not ok or row_of.shape[0] != x.shape[0] or token_idx.numel() > row_of.numel():
             raise ValueError("grouped_mm_swiglu: token_idx (R,) and row_of (T, K) must be int32 with R <= T*K")
     _check_row_scale("grouped_mm_swiglu", row_scale, x.shape[0] if token_idx is None else token_idx.numel(), x.device)
+    zero_tail = _zero_tail("grouped_mm_swiglu", tail)
     if not config.uses_triton(x.device):
         rows = x if token_idx is None else x[token_idx.long()]
         return grouped_mm_swiglu_ref(rows, w_up, offs, bias=bias, row_scale=row_scale, **_spec_kwargs(spec))
-    return _grouped_mm_swiglu_op(x, w_up, offs, bias, token_idx, row_of, row_scale, *_spec_args(spec))
+    return _grouped_mm_swiglu_op(x, w_up, offs, bias, token_idx, row_of, row_scale, *_spec_args(spec), zero_tail)
 
 
 def grouped_mm_downproj(
@@ -579,6 +608,7 @@ def grouped_mm_downproj(
     swiglu_limit: float | None = 7.0,
     swiglu_linear_offset: float = 1.0,
     gate_up_layout: str = "interleaved",
+    tail: str = "zeros",
 ) -> torch.Tensor:
     """Down-projection with bias fused: ``out = h @ w_down[g] + bias[g]`` (M, D).
 
@@ -594,6 +624,9 @@ def grouped_mm_downproj(
     applied to h (h = row_scale * SwiGLU(aux)); the backward then also returns their gradient,
     <dOut @ w_down[g]^T, SwiGLU(aux)> per row, computed in the SwiGLU backward pass from values it
     reads anyway. The bias is not scaled: ``out = h @ w_down[g] + bias[g]``.
+
+    Rows past offs[-1] of ``out`` (and of the gradients the backward computes) are zeros, or left
+    unwritten with ``tail="unwritten"`` (see :func:`grouped_mm_swiglu`).
     """
     spec = SwiGLU(swiglu_alpha, swiglu_limit, swiglu_linear_offset, gate_up_layout)
     _check_expert_inputs("grouped_mm_downproj", h, w_down, offs, bias, w_down.shape[2])
@@ -606,11 +639,12 @@ def grouped_mm_downproj(
     if row_scale is not None and aux_biased_acc is None:
         raise ValueError(ROW_SCALE_ERROR)
     _check_row_scale("grouped_mm_downproj", row_scale, h.shape[0], h.device)
+    zero_tail = _zero_tail("grouped_mm_downproj", tail)
     if not config.uses_triton(h.device):
         return grouped_mm_downproj_ref(
             h, w_down, offs, bias=bias, aux_biased_acc=aux_biased_acc, row_scale=row_scale, **_spec_kwargs(spec)
         )
-    return _grouped_mm_downproj_op(h, w_down, offs, bias, aux_biased_acc, row_scale, *_spec_args(spec))
+    return _grouped_mm_downproj_op(h, w_down, offs, bias, aux_biased_acc, row_scale, *_spec_args(spec), zero_tail)
 
 
 def swiglu(
@@ -631,6 +665,18 @@ def swiglu(
     if not config.uses_triton(pre.device):
         return swiglu_ref(pre, **_spec_kwargs(spec))
     return _swiglu_op(pre, *_spec_args(spec))
+
+
+TAILS = ("zeros", "unwritten")
+
+
+def _zero_tail(name: str, tail: str) -> bool:
+    """The ``tail`` argument of the expert ops: rows past offs[-1] of the outputs and of the gradients
+    their backward computes are zeros ("zeros"), or may be left unwritten ("unwritten", for callers
+    that never read them: it saves writing them; the reference writes zeros either way)."""
+    if tail not in TAILS:
+        raise ValueError(f"{name}: tail must be one of {TAILS}, got {tail!r}")
+    return tail == "zeros"
 
 
 def _spec_args(spec: SwiGLU):

@@ -28,10 +28,12 @@ from .validation import check_inputs, check_offs, matrix_ready
 # --------------------------------------------------------------------------------------------------
 
 
-def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None, bias=None, group_scale=None):
-    """2D x 3D: a (M, K), b (E, K, N), optional bias (E, N) -> (M, N); rows past offs[-1] are zero.
-    ``group_scale`` (E,) fp32, contiguous: group g's product times group_scale[g] in fp32, before the
-    bias (the Triton kernel; the warp-specialized one has no such epilogue)."""
+def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None, bias=None, group_scale=None,
+              zero_tail: bool = True):
+    """2D x 3D: a (M, K), b (E, K, N), optional bias (E, N) -> (M, N); rows past offs[-1] are zero
+    (left unwritten without ``zero_tail``). ``group_scale`` (E,) fp32, contiguous: group g's product
+    times group_scale[g] in fp32, before the bias (the Triton kernel; the warp-specialized one has no
+    such epilogue)."""
     (m, k), (e, _, n) = a.shape, b.shape
     out = config.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
@@ -40,7 +42,7 @@ def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None, bias=None, g
         return out.zero_()
     a_trans, b_trans = a.stride(1) != 1, b.stride(2) != 1
     if cfg is None and group_scale is None and ws_rows_ragged(a, b, out, b_trans):
-        return ws_gemm(a, b, offs, out, bias=bias)
+        return ws_gemm(a, b, offs, out, bias=bias, zero_tail=zero_tail)
     # A TMA box must start 16-byte aligned along the unit-stride axis; groups start at any row, so an
     # `a` with unit stride along M (a.mT views) takes the pointer path.
     tma = (
@@ -74,7 +76,7 @@ def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None, bias=None, g
         GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(e + 1),
         B_TRANS=b_trans,
         USE_TMA=tma, DOT_F32=config.is_interpreting(), FLATTEN=cfg.flatten, SPLIT_STORE=cfg.split_store,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ZERO_TAIL=zero_tail, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

@@ -76,12 +76,12 @@ def ws_ok(a: torch.Tensor, b: torch.Tensor, *outs: torch.Tensor) -> bool:
     )
 
 
-def ws_rows_setup(a, b, offs, c, out2, *, box_n: int):
+def ws_rows_setup(a, b, offs, c, out2, *, box_n: int, zero_tail: bool = True):
     """What every rows-ragged warp-specialized launch needs, for a (M, K) bf16 row-major, b (E, K, N)
     with a unit stride along K or N, offs (E,) int32, and outputs c (M, N) and out2 (M, N2) (c again
     when there is one output): the TMA descriptors of a and b (``box_n`` columns per B box), the
-    device-side row-tile table (its kernel also zero-fills the rows of c and out2 past offs[-1]), and
-    the number of persistent programs. Returns (a_desc, b_desc, table, programs)."""
+    device-side row-tile table (its kernel also zero-fills the rows of c and out2 past offs[-1], with
+    ``zero_tail``), and the number of persistent programs. Returns (a_desc, b_desc, table, programs)."""
     from ._kernels import hopper_gemm as hk  # Gluon: imported only where it runs
 
     (m, k), (e, _, n) = a.shape, b.shape
@@ -93,12 +93,13 @@ def ws_rows_setup(a, b, offs, c, out2, *, box_n: int):
     hk._tile_table_kernel[(max(triton.cdiv(max_row_tiles, 32), 8),)](
         offs, table, c, out2, m, c.shape[1], out2.shape[1] if out2 is not c else 0, e,
         c.stride(0), out2.stride(0), max_row_tiles,
-        BLOCK_M=bm, BLOCK_E=triton.next_power_of_2(e + 1), BLOCK_T=32, BLOCK_Z=32, num_warps=4,
+        BLOCK_M=bm, BLOCK_E=triton.next_power_of_2(e + 1), BLOCK_T=32, BLOCK_Z=32, ZERO_TAIL=zero_tail, num_warps=4,
     )
     return a_desc, b_desc, table, min(config.num_sms(a.device), max_row_tiles * triton.cdiv(n, bn))
 
 
-def ws_gemm(a, b, offs, c, *, epilogue: Epilogue = Epilogue.PLAIN, bias=None, out2=None, spec=None):
+def ws_gemm(a, b, offs, c, *, epilogue: Epilogue = Epilogue.PLAIN, bias=None, out2=None, spec=None,
+            zero_tail: bool = True):
     """Rows-ragged GEMM on the warp-specialized Hopper kernel (check ``ws_ok`` first).
 
     a (M, K) bf16 row-major; b (E, K, N) with a unit stride along K or N; bias (E, N) or None.
@@ -107,13 +108,13 @@ def ws_gemm(a, b, offs, c, *, epilogue: Epilogue = Epilogue.PLAIN, bias=None, ou
     * Epilogue.SWIGLU: c = aux (M, N) and out2 = h = SwiGLU(aux) (M, N / 2), gate and linear columns
       interleaved.
 
-    Rows past offs[-1] of c and out2 are zero."""
+    Rows past offs[-1] of c and out2 are zero (left unwritten without ``zero_tail``)."""
     from ._kernels import hopper_gemm as hk  # Gluon: imported only where it runs
 
     (m, k), n = a.shape, b.shape[2]
     bm, bn, bk = WS_TILE
     out2 = c if out2 is None else out2
-    a_desc, b_desc, table, programs = ws_rows_setup(a, b, offs, c, out2, box_n=bn)
+    a_desc, b_desc, table, programs = ws_rows_setup(a, b, offs, c, out2, box_n=bn, zero_tail=zero_tail)
     # aux as int32 words of bf16 pairs
     c_arg = c.view(torch.int32) if epilogue == Epilogue.SWIGLU else c
     c_desc = ws_desc(c, [m, c.shape[1]], [c.stride(0), 1], [bm // 2, bn])
@@ -137,20 +138,20 @@ def _ws_constexprs(a, b, spec) -> dict:
                 ALPHA=sw["ALPHA"], LIMIT=sw["LIMIT"], OFFSET=sw["OFFSET"])
 
 
-def ws_dswiglu(a, b, offs, aux, d_aux, h, spec, *, scale=None):
+def ws_dswiglu(a, b, offs, aux, d_aux, h, spec, *, scale=None, zero_tail: bool = True):
     """The down-projection's dgrad with the SwiGLU backward (``_kernels/hopper_dswiglu.py``); check
     ``ws_dswiglu_ok`` first. a = dOut (M, K) bf16 row-major, b (E, K, N) with a unit stride along K
     or N, aux (M, 2N) interleaved (gate, linear) pairs, scale (M,) fp32 row scales or None.
 
     dH = a @ b[g] is never stored. Writes d_aux = dSwiGLU(aux) * (s * dH) (M, 2N) and h = s * SwiGLU(aux)
     (M, N2), N2 >= N: column N of h is ones when N2 > N (N2 within the last 256-column tile), later
-    columns zeros; rows past offs[-1] of both are zeros. Returns d_scale (M,) fp32 = <dH, SwiGLU(aux)>
-    per row (zero past offs[-1]) with ``scale``, else None."""
+    columns zeros; rows past offs[-1] of both are zeros (left unwritten without ``zero_tail``). Returns
+    d_scale (M,) fp32 = <dH, SwiGLU(aux)> per row (zero past offs[-1]) with ``scale``, else None."""
     from ._kernels import hopper_dswiglu as hd  # Gluon: imported only where it runs
 
     (m, k), n = a.shape, b.shape[2]
     bn = WS_TILE[1]
-    a_desc, b_desc, table, programs = ws_rows_setup(a, b, offs, d_aux, h, box_n=bn)
+    a_desc, b_desc, table, programs = ws_rows_setup(a, b, offs, d_aux, h, box_n=bn, zero_tail=zero_tail)
     tiles_n = triton.cdiv(n, bn)
     # one partial row sum per column tile, added up below; rows past offs[-1] are in no tile
     parts = None if scale is None else torch.zeros(tiles_n, m, dtype=torch.float32, device=a.device)

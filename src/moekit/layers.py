@@ -36,7 +36,9 @@ class GroupedExperts(nn.Module):
     :func:`moekit.grouped_mm_swiglu`). ``row_scale_R``
     (R,) float32 scales each row's SwiGLU output before the down-projection (the routing weights, so
     that the combine is a plain sum); the bias is not scaled. ``offs_E`` (E,) int32, the cumulative
-    counts where the caller has them (``Routing.offs``), saves their recomputation.
+    counts where the caller has them (``Routing.offs``), saves their recomputation. ``tail="unwritten"``
+    leaves the rows past ``sum(counts)`` unwritten, in the output and in the gradients, for a caller
+    that reads none of them (:func:`moekit.grouped_mm_swiglu`; the NVFP4 path writes zeros anyway).
 
     ``nvfp4``: True or a :class:`moekit.nvfp4.TrainingRecipe` runs the two expert GEMMs and their
     backward on emulated NVFP4 operands (``moekit.nvfp4_train``); the parameters stay as they are.
@@ -90,6 +92,7 @@ class GroupedExperts(nn.Module):
         row_of_TK: torch.Tensor | None = None,
         row_scale_R: torch.Tensor | None = None,
         offs_E: torch.Tensor | None = None,
+        tail: str = "zeros",
     ) -> torch.Tensor:
         offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32) if offs_E is None else offs_E
         if self.nvfp4 is not None:
@@ -102,10 +105,10 @@ class GroupedExperts(nn.Module):
             w1, w2 = w1.to(x_RD.dtype), w2.to(x_RD.dtype)
         h, aux = grouped_mm_swiglu(
             x_RD, w1.mT, offs, bias=self.mlp1_bias_EG, token_idx=token_idx_R, row_of=row_of_TK,
-            row_scale=row_scale_R, **self.swiglu,
+            row_scale=row_scale_R, tail=tail, **self.swiglu,
         )
         return grouped_mm_downproj(h, w2.mT, offs, bias=self.mlp2_bias_ED, aux_biased_acc=aux, row_scale=row_scale_R,
-                                   **self.swiglu)
+                                   tail=tail, **self.swiglu)
 
     def extra_repr(self) -> str:
         bias = self.mlp1_bias_EG is not None

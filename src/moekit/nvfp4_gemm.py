@@ -302,7 +302,7 @@ def _ws_mm(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out
     table = torch.empty(4 * (max_row_tiles + 1), dtype=torch.int32, device=a_values.device)
     hk._tile_table_kernel[(max(triton.cdiv(max_row_tiles, 32), 8),)](  # also zeroes the rows past offs[-1]
         offs, table, out, out, m, n, 0, e, out.stride(0), out.stride(0), max_row_tiles,
-        BLOCK_M=bm, BLOCK_E=triton.next_power_of_2(e + 1), BLOCK_T=32, BLOCK_Z=32, num_warps=4,
+        BLOCK_M=bm, BLOCK_E=triton.next_power_of_2(e + 1), BLOCK_T=32, BLOCK_Z=32, ZERO_TAIL=True, num_warps=4,
     )
     programs = config.num_sms(a_values.device) * cfg.programs_per_sm
     _grouped_mm_nvfp4_ws_kernel[(min(programs, max_row_tiles * triton.cdiv(n, 128)),)](

@@ -189,9 +189,8 @@ def topk_weights_grad_fwd(dw: torch.Tensor, scores: torch.Tensor, experts: torch
 
 
 def scatter_weights_fwd(weights: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
-    """out (T*K,) fp32 with out[row_of[t, k]] = weights[t, k], in one kernel. row_of must be a permutation
-    of [0, T*K), so that every row is written (not checked on the device: a negative entry is skipped
-    and leaves a row unwritten, where ``index_copy`` would raise)."""
+    """out (T*K,) fp32 with out[row_of[t, k]] = weights[t, k], in one kernel. A negative entry is skipped
+    (``sorted_weights``' absent choices); rows that no entry names are left unwritten."""
     n = weights.numel()
     out = config.empty((n,), dtype=torch.float32, device=weights.device)
     if n:
@@ -657,19 +656,23 @@ class _SortedWeightsFn(torch.autograd.Function):
         ctx.weights_dtype = weights.dtype
         if config.uses_triton(weights.device):
             return _scatter_weights_op(weights, row_of)
-        flat = weights.float().reshape(-1)
-        return flat.new_empty(flat.shape).index_copy(0, row_of.reshape(-1).long(), flat)
+        flat, rows = weights.float().reshape(-1), row_of.reshape(-1).long()
+        present = rows >= 0
+        return flat.new_zeros(flat.shape).index_copy(0, rows[present], flat[present])
 
     @staticmethod
     def backward(ctx, grad):
         (row_of,) = ctx.saved_tensors
-        return grad.index_select(0, row_of.reshape(-1)).view(row_of.shape).to(ctx.weights_dtype), None
+        g = grad.index_select(0, row_of.reshape(-1).clamp(min=0)).view(row_of.shape)
+        return torch.where(row_of >= 0, g, 0.0).to(ctx.weights_dtype), None
 
 
 def sorted_weights(weights: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
     """(T, K) routing weights -> (R,) float32 in expert-sorted row order: out[row_of[t, k]] = weights[t, k].
-    Differentiable (the backward gathers); row_of must be a permutation of [0, R), as the router's is
-    (its values are not checked: that would read the device)."""
+    Differentiable (the backward gathers). row_of names each of [0, R) at most once, as the router's
+    does (its values are not checked: that would read the device); a negative entry (an absent
+    choice) scatters nothing and gets a zero gradient, and a row that no entry names is left
+    unwritten (zero on the reference), for a caller that never reads it."""
     if weights.dim() != 2 or weights.shape != row_of.shape:
         raise ValueError(f"sorted_weights: weights and row_of of one shape (T, K), got {tuple(weights.shape)} "
                          f"and {tuple(row_of.shape)}")

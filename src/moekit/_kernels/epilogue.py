@@ -108,6 +108,7 @@ def _swiglu_bwd_kernel(
     pre, dh, dpre, h, M, F, stride_pre_m, stride_dh_m, stride_dpre_m, stride_h_m,  # pre, dpre (M, 2F); dh (M, F)
     H_COLS,  # h (M, H_COLS) or None: F columns, or with ONES_COL F + 1 padded to a multiple of 64
     scale, dscale,  # None, or (M,) fp32 row scales s (h = s * SwiGLU(pre)) and (grid dim 1, M) fp32 partial sums
+    last,  # None, or a pointer to offs[-1]: rows at or past it are neither read nor written
     ALPHA: tl.constexpr, LIMIT: tl.constexpr, OFFSET: tl.constexpr, HALVES: tl.constexpr,
     ONES_COL: tl.constexpr,  # h[:, F] = 1 and h[:, F + 1:H_COLS] = 0 (see grouped_mm_dswiglu)
     BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
@@ -117,7 +118,12 @@ def _swiglu_bwd_kernel(
     # adds them up: deterministic, no atomics). A program walks its rows' column blocks in steps of
     # the grid's second dim.
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rows = tl.where(rows < M, rows, -1)
+    rows_end = M  # (M stays the row stride of dscale's partial sums)
+    if last is not None:
+        rows_end = tl.minimum(tl.maximum(tl.load(last), 0), M)
+        if tl.program_id(0) * BLOCK_R >= rows_end:  # every row of this program is past offs[-1]
+            return
+    rows = tl.where(rows < rows_end, rows, -1)
     if scale is not None:
         s = tl.load(scale + rows, mask=rows >= 0, other=0.0)
     dot = tl.zeros((BLOCK_R,), dtype=tl.float32)

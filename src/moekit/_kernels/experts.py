@@ -93,6 +93,7 @@ def _grouped_mm_swiglu_kernel(
     B_TRANS: tl.constexpr, USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, FLATTEN: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     ALPHA: tl.constexpr, LIMIT: tl.constexpr, OFFSET: tl.constexpr, HALVES: tl.constexpr,
+    ZERO_TAIL: tl.constexpr,  # rows past offs[-1] of aux and h: zeros, or left unwritten
 ):
     # A tile covers BLOCK_N pre-activation columns, i.e. BLOCK_F = BLOCK_N // 2 columns of h. The
     # epilogue runs in two halves of BLOCK_F // 2 h columns each, to bound registers and store buffers.
@@ -100,7 +101,7 @@ def _grouped_mm_swiglu_kernel(
     QUARTER: tl.constexpr = BLOCK_F // 2
     tiles_n = tl.cdiv(F, BLOCK_F)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    e, starts, ends, tiles, tiles_end, total = _group_table(offs_ptr, M, E, tiles_n, BLOCK_M, BLOCK_E)
+    e, starts, ends, tiles, tiles_end, total = _group_table(offs_ptr, M, E, tiles_n, BLOCK_M, BLOCK_E, ZERO_TAIL)
 
     for tile in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=FLATTEN):
         g, start, end, row, pid_n = _locate(tile, e, starts, ends, tiles, tiles_end, tiles_n, BLOCK_M, GROUP_M)

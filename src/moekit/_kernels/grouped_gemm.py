@@ -98,9 +98,11 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
 # 2D x 3D: rows ragged (forward, dgrad); the pieces the fused expert kernels share
 # --------------------------------------------------------------------------------------------------
 @triton.jit
-def _group_table(offs_ptr, M, E, tiles_n, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+def _group_table(offs_ptr, M, E, tiles_n, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                 ZERO_TAIL: tl.constexpr = True):
     """Per-group row ranges and tile counts, in registers: E real groups plus group E, the tail rows
-    [offs[-1], M) that get zeros. Returns (e, starts, ends, tiles, tiles_end, total)."""
+    [offs[-1], M) that get zeros (no tiles without ZERO_TAIL: the tail is left unwritten). Returns
+    (e, starts, ends, tiles, tiles_end, total)."""
     e = tl.arange(0, BLOCK_E)
     ends = tl.load(offs_ptr + e, mask=e < E, other=M)
     starts = tl.load(offs_ptr + e - 1, mask=(e >= 1) & (e <= E), other=0)
@@ -108,6 +110,8 @@ def _group_table(offs_ptr, M, E, tiles_n, BLOCK_M: tl.constexpr, BLOCK_E: tl.con
     ends = tl.minimum(tl.maximum(ends, 0), M)  # clamp: a bad offs must never write out of bounds
     starts = tl.minimum(tl.maximum(starts, 0), ends)
     tiles = tl.cdiv(ends - starts, BLOCK_M) * tiles_n
+    if not ZERO_TAIL:
+        tiles = tl.where(e < E, tiles, 0)
     tiles_end = tl.cumsum(tiles, 0)
     return e, starts, ends, tiles, tiles_end, tl.sum(tiles, 0)
 
@@ -220,10 +224,11 @@ def _grouped_mm_ragged_m_kernel(
     GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
     B_TRANS: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_F32: tl.constexpr, FLATTEN: tl.constexpr, SPLIT_STORE: tl.constexpr,
+    ZERO_TAIL: tl.constexpr,  # rows past offs[-1] of c: zeros, or left unwritten
 ):
     tiles_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    e, starts, ends, tiles, tiles_end, total = _group_table(offs_ptr, M, E, tiles_n, BLOCK_M, BLOCK_E)
+    e, starts, ends, tiles, tiles_end, total = _group_table(offs_ptr, M, E, tiles_n, BLOCK_M, BLOCK_E, ZERO_TAIL)
 
     for tile in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=FLATTEN):
         g, start, end, row, pid_n = _locate(tile, e, starts, ends, tiles, tiles_end, tiles_n, BLOCK_M, GROUP_M)

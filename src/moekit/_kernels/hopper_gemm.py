@@ -79,11 +79,13 @@ EPI_ROWS = tl.constexpr(16)  # rows per step of the epilogue
 def _tile_table_kernel(
     offs_ptr, table_ptr, c_ptr, c2_ptr, M, N, N2, E, stride_cm, stride_c2m, max_tiles,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_Z: tl.constexpr,
+    ZERO_TAIL: tl.constexpr,
 ):
     """table[0] = number of row tiles; table[4 + 4i : 8 + 4i] = (group, group start row, group end
     row, the group's first row tile) for row tile i, the rows clamped to [0, M] as in ``_group_table``.
 
-    Also zero-fills the rows [offs[-1], M) of c (M, N) and c2 (M, N2), the rows of no group."""
+    With ZERO_TAIL, also zero-fills the rows [offs[-1], M) of c (M, N) and c2 (M, N2), the rows of no
+    group (otherwise they are left unwritten)."""
     pid = tl.program_id(0)
     # group E of the table is the tail [offs[-1], M): it gets zeros here, not row tiles
     e, starts, ends, tiles, _, _ = _group_table(offs_ptr, M, E, 1, BLOCK_M, BLOCK_E)
@@ -107,7 +109,7 @@ def _tile_table_kernel(
     tl.store(table_ptr + 7 + 4 * i, tl.where(real, first_tile, 0), mask=keep)
     # rows past offs[-1]: zeros, BLOCK_Z rows per program and step
     last = tl.sum(tl.where(e == E, starts, 0), 0)
-    for r0 in range(last + pid * BLOCK_Z, M, tl.num_programs(0) * BLOCK_Z):
+    for r0 in range(last + pid * BLOCK_Z, M if ZERO_TAIL else 0, tl.num_programs(0) * BLOCK_Z):
         r = r0 + tl.arange(0, BLOCK_Z)
         for n0 in range(0, N, 128):
             cols = n0 + tl.arange(0, 128)
