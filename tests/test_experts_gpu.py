@@ -172,6 +172,30 @@ def test_warp_specialized_dswiglu_dgrad(monkeypatch, w_layout, f, ones_col, scal
         assert dscale is None
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["dgrad-and-pass", "fused"])
+def test_dswiglu_unwritten_tail(fused):
+    """zero_tail=False (expert parallelism's device splits) on the GPU paths: the rows past offs[-1] of
+    d_aux and h stay as they were (NaN: poisoned), the rest equals the zero-tail call bit for bit."""
+    if fused and not config.use_warp_specialized(torch.device(DEV)):
+        pytest.skip("needs an sm_90 GPU with Gluon")
+    counts, f, d = [700, 0, 1300, 33], 1024, 1000
+    offs = offs_from_counts(counts, device=DEV)
+    m, tail = sum(counts) + 500, sum(counts)
+    grad = torch.randn(m, d, device=DEV).to(BF16)
+    aux = (torch.randn(m, 2 * f, device=DEV) * 4).to(BF16)
+    w = (torch.randn(len(counts), f, d, device=DEV) / d**0.5).to(BF16)
+    scale = torch.rand(m, device=DEV) + 0.5
+    spec = SwiGLU()
+    outs = {}
+    for zero_tail in (True, False):
+        with moekit.options(fused_dswiglu=fused, poison=True):
+            outs[zero_tail] = experts.grouped_mm_dswiglu(grad, w, offs, aux, spec, scale=scale, zero_tail=zero_tail)
+    for zeroed, unwritten in zip(outs[True][:2], outs[False][:2], strict=True):
+        assert torch.equal(zeroed[:tail], unwritten[:tail]) and not zeroed[tail:].any()
+        assert unwritten[tail:].isnan().all()
+    torch.testing.assert_close(outs[True][2][:tail], outs[False][2][:tail], rtol=0, atol=0)
+
+
 def _module_step(ex, x, counts, dy):
     out = ex(x, counts)
     out.backward(dy)
