@@ -9,7 +9,10 @@ plus the combine, forward and backward, three ways:
 - ``host``: the rows cut to the local choices (as host splits do, P read on the host beforehand);
 - ``device``: every choice keeps a row (today's device splits);
 - ``device-absent``: the same buffers, with the dropped choices marked absent (-1) in ``row_of`` by a
-  comparison with ``offs[-1]`` on the device, so the combine and its backward skip them.
+  comparison with ``offs[-1]`` on the device, so the combine and its backward skip them;
+- ``device-unwritten``: what device splits run now: also the routing weights scattered through the
+  absent-marked ``row_of``, and the experts with ``tail="unwritten"`` (no zeros written past
+  ``offs[-1]``, the SwiGLU backward pass stopping there).
 
     PYTHONPATH=src python probes/ep_capacity.py [--shape qwen3-30b-a3b] [--world 2 4] [--tokens 16384]
         [--profile]
@@ -41,8 +44,8 @@ def inputs(t, e, k, world, d, dev):
     return x, ids, weights
 
 
-def step(experts, x, counts, token_idx, row_of, scale, grad):
-    y = experts(x, counts, token_idx, row_of, scale)
+def step(experts, x, counts, token_idx, row_of, scale, tail, grad):
+    y = experts(x, counts, token_idx, row_of, scale, tail=tail)
     part = combine(y, None, row_of)
     part.backward(grad)
     return part
@@ -52,10 +55,12 @@ def ways(x, ids, weights, el):
     counts, offs, token_idx, row_of = routing_metadata(ids, el)
     scale = sorted_weights(weights, row_of)
     p = int(offs[-1])  # host splits know it from the exchanged counts
-    host = (counts, token_idx[:p], torch.where(row_of < p, row_of, -1), scale[:p])
-    device = (counts, token_idx, row_of, scale)
-    absent = (counts, token_idx, torch.where(row_of < offs[-1], row_of, -1), scale)
-    return {"host": host, "device": device, "device-absent": absent}, p
+    host = (counts, token_idx[:p], torch.where(row_of < p, row_of, -1), scale[:p], "zeros")
+    device = (counts, token_idx, row_of, scale, "zeros")
+    marked = torch.where(row_of < offs[-1], row_of, -1)
+    absent = (counts, token_idx, marked, scale, "zeros")
+    unwritten = (counts, token_idx, marked, sorted_weights(weights, marked), "unwritten")
+    return {"host": host, "device": device, "device-absent": absent, "device-unwritten": unwritten}, p
 
 
 def main():
@@ -85,8 +90,8 @@ def main():
             outs[name] = fn().float()
             ms = triton.testing.do_bench(fn, warmup=10, rep=200, return_mode="median")
             print(f"  {name:14s} experts + combine, fwd + bwd: {ms:.3f} ms")
-        print(f"  outputs equal: device {torch.equal(outs['host'], outs['device'])}, "
-              f"device-absent {torch.equal(outs['host'], outs['device-absent'])}")
+        print("  outputs equal to host's: " + ", ".join(
+            f"{name} {torch.equal(outs['host'], outs[name])}" for name in cases if name != "host"))
         if a.profile:
             for name, args in cases.items():
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
