@@ -111,7 +111,7 @@ def main():
             BLOCK_M=bm2, BLOCK_N=bn2, BLOCK_K=bk2, GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(e + 1),
             B_TRANS=w1.stride(2) != 1, USE_TMA=True, DOT_F32=False, FLATTEN=cfg.flatten,
             OUT_DTYPE=__import__("triton.language", fromlist=["bfloat16"]).bfloat16, **spec.constexprs(),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            ZERO_TAIL=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
     add("up: Triton kernel launch, prebuilt descriptors", up_launch)

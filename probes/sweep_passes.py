@@ -27,7 +27,7 @@ def swiglu_bwd(m, f, block_r, block_f, warps, col_programs):
 
     def run():
         _swiglu_bwd_kernel[(triton.cdiv(m, block_r), col_blocks)](
-            pre, dh, dpre, h, m, f, pre.stride(0), dh.stride(0), dpre.stride(0), h.stride(0), f, scale, parts,
+            pre, dh, dpre, h, m, f, pre.stride(0), dh.stride(0), dpre.stride(0), h.stride(0), f, scale, parts, None,
             **spec.constexprs(), ONES_COL=False, BLOCK_R=block_r, BLOCK_F=block_f, num_warps=warps)
     return (pre.numel() * 2 * 2 + dh.numel() * 2 * 2) / bench_ms(run) / 1e6
 

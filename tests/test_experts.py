@@ -331,18 +331,22 @@ def test_permute_free_dispatch(interpreter, tma_path, layout, d):
 
 @pytest.mark.parametrize("save_h", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_unwritten_tails(interpreter, tma_path, bias, save_h):
+@pytest.mark.parametrize("caller_marks", [True, False], ids=["caller-marks-absent", "op-marks-absent"])
+def test_unwritten_tails(interpreter, tma_path, bias, save_h, caller_marks):
     """tail="unwritten" (expert parallelism's fixed slots): the rows past offs[-1] of h, aux, the output
     and the dgrads are left as they were (NaN here: every output starts poisoned), the rows of the
-    groups and every gradient equal the default path's bit for bit, and the tails' NaN reaches none."""
+    groups and every gradient equal the default path's bit for bit, and the tails' NaN reaches none.
+    The op takes the choices past offs[-1] as absent itself when the caller passes the router's
+    row_of (then only the combine needs them marked)."""
     from moekit.routing import routing_metadata_fwd, sorted_weights
 
-    t, k, e, d, f = 24, 2, 4, 32, 24
-    ids = torch.rand(t, e + 1).topk(k, -1).indices.to(torch.int32)  # id e: "another rank's": dropped
+    t, k, e, d, f = 40, 2, 4, 32, 24
+    ids = torch.rand(t, 2 * e).topk(k, -1).indices.to(torch.int32)  # ids >= e: "other ranks'": dropped
     _, offs, token_idx, row_of = routing_metadata_fwd(torch.where(ids < e, ids, e), e + 1)
     offs, tail = offs[:e], int(offs[e - 1])
     absent = torch.where(row_of < tail, row_of, -1)
-    assert 0 < tail < t * k
+    assert 16 <= t * k - tail  # whole row blocks of the SwiGLU pass past offs[-1]
+    given = absent if caller_marks else row_of
     x = torch.randn(t, d).to(BF16)
     w1 = (torch.randn(e, 2 * f, d) / d**0.5).to(BF16)
     w2 = (torch.randn(e, d, f) / f**0.5).to(BF16)
@@ -350,22 +354,22 @@ def test_unwritten_tails(interpreter, tma_path, bias, save_h):
     weights = torch.rand(t, k)
     dy = torch.randn(t, d).to(BF16)
 
-    def run(tail_mode):
+    def run(tail_mode, rows):
         leaves = [v.clone().requires_grad_() for v in (x, w1, w2, weights)]
         bs = [None if v is None else v.clone().requires_grad_() for v in (b1, b2)]
-        scale = None if bias else sorted_weights(leaves[3], absent)
+        scale = None if bias else sorted_weights(leaves[3], rows)
         with moekit.options(save_h=save_h):
             h, aux = grouped_mm_swiglu(leaves[0], leaves[1].mT, offs, bias=bs[0], token_idx=token_idx,
-                                       row_of=absent, row_scale=scale, tail=tail_mode)
+                                       row_of=rows, row_scale=scale, tail=tail_mode)
             out = grouped_mm_downproj(h, leaves[2].mT, offs, bias=bs[1], aux_biased_acc=aux, row_scale=scale,
                                       tail=tail_mode)
-        y = moekit.combine(out, leaves[3] if bias else None, absent)
+        y = moekit.combine(out, leaves[3] if bias else None, absent)  # the combine skips them either way
         y.backward(dy)
         grads = [v.grad for v in leaves + bs if v is not None]
         return h, aux, out, grads
 
-    h, aux, out, grads = run("unwritten")
-    h0, aux0, out0, grads0 = run("zeros")
+    h, aux, out, grads = run("unwritten", given)
+    h0, aux0, out0, grads0 = run("zeros", absent)
     for got, want in ((h, h0), (aux, aux0), (out, out0)):
         assert torch.equal(got[:tail], want[:tail]) and not want[tail:].any()
         assert got[tail:].isnan().all()  # never written

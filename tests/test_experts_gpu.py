@@ -173,9 +173,10 @@ def test_warp_specialized_dswiglu_dgrad(monkeypatch, w_layout, f, ones_col, scal
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["dgrad-and-pass", "fused"])
-def test_dswiglu_unwritten_tail(fused):
+def test_dswiglu_unwritten_tail(monkeypatch, fused):
     """zero_tail=False (expert parallelism's device splits) on the GPU paths: the rows past offs[-1] of
-    d_aux and h stay as they were (NaN: poisoned), the rest equals the zero-tail call bit for bit."""
+    d_aux and h stay as they were (NaN: poisoned), the rest equals the zero-tail call bit for bit, and
+    NaN in the inputs' tails (unwritten there too under device splits) reaches nothing."""
     if fused and not config.use_warp_specialized(torch.device(DEV)):
         pytest.skip("needs an sm_90 GPU with Gluon")
     counts, f, d = [700, 0, 1300, 33], 1024, 1000
@@ -186,14 +187,21 @@ def test_dswiglu_unwritten_tail(fused):
     w = (torch.randn(len(counts), f, d, device=DEV) / d**0.5).to(BF16)
     scale = torch.rand(m, device=DEV) + 0.5
     spec = SwiGLU()
+    launches = []
+    launch = experts.ws_dswiglu
+    monkeypatch.setattr(experts, "ws_dswiglu", lambda *a, **k: launches.append(1) or launch(*a, **k))
     outs = {}
     for zero_tail in (True, False):
+        if not zero_tail:
+            for tensor in (grad, aux, scale):
+                tensor[tail:] = float("nan")
         with moekit.options(fused_dswiglu=fused, poison=True):
             outs[zero_tail] = experts.grouped_mm_dswiglu(grad, w, offs, aux, spec, scale=scale, zero_tail=zero_tail)
+    assert launches == ([1, 1] if fused else []), launches
     for zeroed, unwritten in zip(outs[True][:2], outs[False][:2], strict=True):
         assert torch.equal(zeroed[:tail], unwritten[:tail]) and not zeroed[tail:].any()
         assert unwritten[tail:].isnan().all()
-    torch.testing.assert_close(outs[True][2][:tail], outs[False][2][:tail], rtol=0, atol=0)
+    torch.testing.assert_close(outs[True][2], outs[False][2], rtol=0, atol=0)  # d_scale: zeros past the tail
 
 
 def _module_step(ex, x, counts, dy):
@@ -288,20 +296,23 @@ def test_opcheck():
     # autograd is checked against float64 above.
     scale = torch.rand(1024, device=DEV) + 0.5
     torch.library.opcheck(_grouped_mm_swiglu_op.op, (x, w1, offs, b1, None, None, None, *spec, True))
-    torch.library.opcheck(_grouped_mm_swiglu_op.op, (x, w1, offs, b1, None, None, scale, *spec, False))
+    torch.library.opcheck(_grouped_mm_swiglu_op.op, (x, w1, offs, b1, None, None, scale, *spec, True))
     h, aux = _grouped_mm_swiglu_op(x, w1, offs, b1, None, None, None, *spec, True)
     torch.library.opcheck(_grouped_mm_downproj_op.op,
                           (h.detach(), _leaf(w2), offs, _leaf(b2), _leaf(aux), None, *spec, True))
     torch.library.opcheck(_grouped_mm_downproj_op.op,
-                          (h.detach(), _leaf(w2), offs, None, _leaf(aux), _leaf(scale), *spec, False))
+                          (h.detach(), _leaf(w2), offs, None, _leaf(aux), _leaf(scale), *spec, True))
     dy = torch.randn(1024, 256, device=DEV, dtype=BF16)
-    # h recomputed: db_down in the wgrad (F % 128 != 0), or a column-sum pass
-    torch.library.opcheck(_grouped_mm_downproj_bwd_op.op, (dy, w2, offs, aux, None, None, True, True, *spec))
-    torch.library.opcheck(_grouped_mm_downproj_bwd_op.op, (dy, w2, offs, aux, None, None, False, True, *spec))
-    torch.library.opcheck(_grouped_mm_downproj_bwd_op.op, (dy, w2, offs, aux, None, scale, True, False, *spec))
+    # h recomputed: db_down in the wgrad (F % 128 != 0), or a column-sum pass (zero tails: opcheck compares
+    # whole outputs, and an unwritten tail holds whatever was there)
+    torch.library.opcheck(_grouped_mm_downproj_bwd_op.op, (dy, w2, offs, aux, None, None, True, True, *spec, True))
+    torch.library.opcheck(_grouped_mm_downproj_bwd_op.op, (dy, w2, offs, aux, None, None, False, True, *spec, True))
+    torch.library.opcheck(_grouped_mm_downproj_bwd_op.op, (dy, w2, offs, aux, None, scale, True, False, *spec, True))
     # h saved: F = 192 (% 128 == 64) gives db_down in the wgrad (ws)
-    torch.library.opcheck(_grouped_mm_downproj_bwd_op.op, (dy, w2, offs, aux, h.detach(), None, True, True, *spec))
-    torch.library.opcheck(_grouped_mm_downproj_bwd_op.op, (dy, w2, offs, aux, h.detach(), scale, True, False, *spec))
+    torch.library.opcheck(_grouped_mm_downproj_bwd_op.op,
+                          (dy, w2, offs, aux, h.detach(), None, True, True, *spec, True))
+    torch.library.opcheck(_grouped_mm_downproj_bwd_op.op,
+                          (dy, w2, offs, aux, h.detach(), scale, True, False, *spec, True))
     torch.library.opcheck(_colsum_op.op, (dy, offs))
     torch.library.opcheck(_wgrad_colsum_op.op, (x, dy, offs))  # D = 256: sums from a pass
     torch.library.opcheck(_wgrad_colsum_op.op, (x[:, :192], dy, offs))  # D % 128 == 64: from the GEMM (ws)

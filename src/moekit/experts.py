@@ -227,7 +227,7 @@ def swiglu_bwd(pre: torch.Tensor, dh: torch.Tensor, spec: SwiGLU, *, with_h: boo
     last column is ones (``grouped_mm_dswiglu``). ``scale`` (M,) fp32: the forward's h was
     s * SwiGLU(pre), so d_pre = dSwiGLU(pre) * (s * dh), h = s * SwiGLU(pre), and d_scale (M,) fp32 is
     <dh, SwiGLU(pre)> per row. ``bound``: the grouped GEMMs' offs (E,); rows past offs[-1] are then
-    neither read nor written (their outputs stay unwritten)."""
+    neither read nor written (d_pre and h stay unwritten there, d_scale is zero)."""
     pre, dh = unit_columns(pre), unit_columns(dh)
     m, two_f = pre.shape
     f = two_f // 2
@@ -238,8 +238,10 @@ def swiglu_bwd(pre: torch.Tensor, dh: torch.Tensor, spec: SwiGLU, *, with_h: boo
         h = config.empty((m, h_cols), dtype=pre.dtype, device=pre.device)
     block_r, block_f, warps, col_programs = config.swiglu_bwd_blocks()
     col_blocks = col_programs or max(triton.cdiv(h_cols if ones_col else f, block_f), 1)
-    # d_scale: one partial row sum per column program, added up below (deterministic, no atomics)
-    parts = None if scale is None else config.empty((col_blocks, m), dtype=torch.float32, device=pre.device)
+    # d_scale: one partial row sum per column program, added up below (deterministic, no atomics); with a
+    # bound, zeros past it, as the fused kernel gives them
+    alloc = config.empty if bound is None else torch.zeros
+    parts = None if scale is None else alloc((col_blocks, m), dtype=torch.float32, device=pre.device)
     if m:
         _swiglu_bwd_kernel[(triton.cdiv(m, block_r), col_blocks)](
             pre, dh, dpre, h, m, f, pre.stride(0), dh.stride(0), dpre.stride(0),
@@ -560,7 +562,8 @@ def grouped_mm_swiglu(
     ``aux`` = x @ w_up[g] + bias[g] (M, 2F) in x.dtype, ``h`` = SwiGLU(aux) (M, F); rows past
     offs[-1] are zero in both (``tail="unwritten"``: left unwritten there, and in the gradients the
     backward computes, for a caller that reads none of those rows, such as expert parallelism's fixed
-    slots). See :class:`moekit.epilogue.SwiGLU` for the activation and layouts.
+    slots; the row_of entries of the choices past offs[-1] are then taken as absent, so that the
+    gradient to x skips them). See :class:`moekit.epilogue.SwiGLU` for the activation and layouts.
 
     Permute-free dispatch: with ``token_idx`` (R,) and ``row_of`` (T, K) int32 from
     :func:`moekit.topk_router`, x is the (T, D) token matrix and the GEMM reads row r as
@@ -590,6 +593,8 @@ def grouped_mm_swiglu(
             raise ValueError("grouped_mm_swiglu: token_idx (R,) and row_of (T, K) must be int32 with R <= T*K")
     _check_row_scale("grouped_mm_swiglu", row_scale, x.shape[0] if token_idx is None else token_idx.numel(), x.device)
     zero_tail = _zero_tail("grouped_mm_swiglu", tail)
+    if token_idx is not None and not zero_tail:  # the choices past offs[-1] have unwritten rows: absent
+        row_of = torch.where(row_of < offs[-1:], row_of, -1)
     if not config.uses_triton(x.device):
         rows = x if token_idx is None else x[token_idx.long()]
         return grouped_mm_swiglu_ref(rows, w_up, offs, bias=bias, row_scale=row_scale, **_spec_kwargs(spec))

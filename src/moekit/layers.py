@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .experts import grouped_mm_downproj, grouped_mm_swiglu
+from .experts import TAILS, grouped_mm_downproj, grouped_mm_swiglu
 from .nvfp4_train import NVFP4Training
 from .routing import check_router_args, combine, sorted_weights, topk_router
 from .validation import unit_columns
@@ -94,6 +94,8 @@ class GroupedExperts(nn.Module):
         offs_E: torch.Tensor | None = None,
         tail: str = "zeros",
     ) -> torch.Tensor:
+        if tail not in TAILS:  # (checked here too: the NVFP4 path below writes zeros whatever it says)
+            raise ValueError(f"{type(self).__name__}: tail must be one of {TAILS}, got {tail!r}")
         offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32) if offs_E is None else offs_E
         if self.nvfp4 is not None:
             return self.nvfp4.experts(self, x_RD, offs, token_idx_R, row_scale_R)

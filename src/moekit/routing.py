@@ -610,7 +610,9 @@ def routing_metadata(experts: torch.Tensor, num_experts: int):
     An id outside [0, E) (a "not on this rank" sentinel of expert parallelism: E in Hugging Face's,
     -1 in :class:`moekit.distributed.ExpertParallelMoE`; or a bad id) is dropped without a sync: it is
     sorted after every expert's rows, past ``offs[-1]``, where the grouped GEMMs compute nothing and
-    output zeros, so it contributes nothing to a combine."""
+    output zeros (or, with the expert ops' ``tail="unwritten"``, leave their rows unwritten: then mark
+    such choices absent, -1, in row_of, as :class:`moekit.distributed.ExpertParallelMoE` does), so it
+    contributes nothing to a combine."""
     if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 0:
         raise TypeError(f"routing_metadata: num_experts must be a Python int >= 0, got {num_experts!r}")
     if experts.dim() not in (1, 2):
@@ -657,8 +659,8 @@ class _SortedWeightsFn(torch.autograd.Function):
         if config.uses_triton(weights.device):
             return _scatter_weights_op(weights, row_of)
         flat, rows = weights.float().reshape(-1), row_of.reshape(-1).long()
-        present = rows >= 0
-        return flat.new_zeros(flat.shape).index_copy(0, rows[present], flat[present])
+        n = flat.numel()  # absent entries land in an extra row, dropped: static shapes (torch.compile)
+        return flat.new_zeros(n + 1).index_copy(0, torch.where(rows >= 0, rows, n), flat)[:n]
 
     @staticmethod
     def backward(ctx, grad):

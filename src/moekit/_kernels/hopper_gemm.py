@@ -107,20 +107,20 @@ def _tile_table_kernel(
     tl.store(table_ptr + 5 + 4 * i, tl.where(real, start, 0), mask=keep)
     tl.store(table_ptr + 6 + 4 * i, tl.where(real, end, 0), mask=keep)
     tl.store(table_ptr + 7 + 4 * i, tl.where(real, first_tile, 0), mask=keep)
-    # rows past offs[-1]: zeros, BLOCK_Z rows per program and step
-    last = tl.sum(tl.where(e == E, starts, 0), 0)
-    for r0 in range(last + pid * BLOCK_Z, M if ZERO_TAIL else 0, tl.num_programs(0) * BLOCK_Z):
-        r = r0 + tl.arange(0, BLOCK_Z)
-        for n0 in range(0, N, 128):
-            cols = n0 + tl.arange(0, 128)
-            ptrs = c_ptr + r[:, None].to(tl.int64) * stride_cm + cols[None, :]
-            mask = (r[:, None] < M) & (cols[None, :] < N)
-            tl.store(ptrs, tl.zeros([BLOCK_Z, 128], c_ptr.dtype.element_ty), mask=mask)
-        for n0 in range(0, N2, 128):
-            cols = n0 + tl.arange(0, 128)
-            ptrs = c2_ptr + r[:, None].to(tl.int64) * stride_c2m + cols[None, :]
-            mask = (r[:, None] < M) & (cols[None, :] < N2)
-            tl.store(ptrs, tl.zeros([BLOCK_Z, 128], c2_ptr.dtype.element_ty), mask=mask)
+    if ZERO_TAIL:  # rows past offs[-1]: zeros, BLOCK_Z rows per program and step
+        last = tl.sum(tl.where(e == E, starts, 0), 0)
+        for r0 in range(last + pid * BLOCK_Z, M, tl.num_programs(0) * BLOCK_Z):
+            r = r0 + tl.arange(0, BLOCK_Z)
+            for n0 in range(0, N, 128):
+                cols = n0 + tl.arange(0, 128)
+                ptrs = c_ptr + r[:, None].to(tl.int64) * stride_cm + cols[None, :]
+                mask = (r[:, None] < M) & (cols[None, :] < N)
+                tl.store(ptrs, tl.zeros([BLOCK_Z, 128], c_ptr.dtype.element_ty), mask=mask)
+            for n0 in range(0, N2, 128):
+                cols = n0 + tl.arange(0, 128)
+                ptrs = c2_ptr + r[:, None].to(tl.int64) * stride_c2m + cols[None, :]
+                mask = (r[:, None] < M) & (cols[None, :] < N2)
+                tl.store(ptrs, tl.zeros([BLOCK_Z, 128], c2_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------------
