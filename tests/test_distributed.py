@@ -193,17 +193,19 @@ def _device_splits_need_equal_tokens(rank, world):
         ep(torch.randn(5 + rank, D).to(BF16))
 
 
-def _from_moe_keeps_nvfp4(rank, world):
+def _from_moe_keeps_nvfp4(rank, world, splits="host"):
+    """(Device splits: the NVFP4 experts write zeros past offs[-1] whatever ``tail`` says, and get row
+    scales whose dropped rows are unwritten; on GPUs this runs the kernels.)"""
     from moekit.nvfp4 import TrainingRecipe
 
     recipe = TrainingRecipe(seed=3)
     torch.manual_seed(0)  # the same weights and inputs on every rank
     moe = MoE(D, max(F, 16), E, 2, dtype=BF16, nvfp4=recipe, **BLOCKS["plain"])  # (blocks of 16 along F)
-    ep = ExpertParallelMoE.from_moe(moe)
+    ep = ExpertParallelMoE.from_moe(moe, splits=splits)
     assert ep.experts.nvfp4 is not None and ep.experts.nvfp4.recipe == recipe
     # the NVFP4 experts on a rank's received tokens (fewer choice rows than T*K, absent entries): its
     # quantization scales see other rows than a single process's, so the comparison is loose
-    xs, dys = _inputs([6 + 3 * r for r in range(world)])
+    xs, dys = _inputs([9] * world if splits == "device" else [6 + 3 * r for r in range(world)])
     x = xs[rank].clone().requires_grad_()
     y = ep(x)
     y.backward(dys[rank])
@@ -378,6 +380,7 @@ CASES = {  # name: the case, run on every rank; the comment says what it covers
     "bad-inputs": _bad_inputs,
     "device-splits-unequal-tokens": _device_splits_need_equal_tokens,
     "from-moe-nvfp4": _from_moe_keeps_nvfp4,
+    "from-moe-nvfp4-device": partial(_from_moe_keeps_nvfp4, splits="device"),
     "reshard-2-to-4": _reshard_2_to_4,
     "dcp-reshard-2-to-4": _dcp_reshard,
     "ep-x-fsdp2": _ep_by_fsdp2,
