@@ -133,6 +133,10 @@ def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = Fal
     s * SwiGLU(aux)): d_aux = dSwiGLU(aux) * (s * dH), h = s * SwiGLU(aux) and dscale (M,) fp32 =
     <dH, SwiGLU(aux)> per row; otherwise dscale is None.
 
+    Rows past offs[-1]: with ``zero_tail``, d_aux and dscale are zero there and h is SwiGLU of aux's
+    rows (zero where aux's are, as the zero-tail up-projection leaves them; the fused kernel writes
+    zeros); without it, d_aux and h stay unwritten there and dscale is zero.
+
     By default dH is a grouped GEMM and one bandwidth-bound pass turns (aux, dH) into d_aux and h.
     With ``config.fused_dswiglu()`` on Hopper (interleaved layout, bf16), one warp-specialized GEMM
     does it all (``hopper.ws_dswiglu``): dH never reaches memory, and an epilogue partition computes
