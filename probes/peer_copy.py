@@ -1,0 +1,132 @@
+"""An all-to-all of fixed slots on the copy engines (peer copies into symmetric memory) against NCCL's,
+alone and beside a GEMM, one process per GPU.
+
+    python probes/peer_copy.py [--world W] [--rows 16384] [--dim 2048] [--reps 10]
+
+Expert parallelism's device splits send one fixed slot of ``rows`` token rows to every rank, so the
+host knows the size of every copy. Here each rank fills a (W, rows, dim) bf16 send buffer and every
+rank receives slot j of rank i into slot i of its own symmetric receive buffer, two ways:
+
+- **nccl**: ``all_to_all_single`` with equal splits (what ``ExpertParallelMoE`` runs);
+- **peer copies**: W - 1 ``copy_`` calls per rank into the peers' receive buffers (mapped by
+  ``torch.distributed._symmetric_memory``), one side stream per peer, then the buffer's barrier so
+  that every rank's slots have landed before anyone reads them.
+
+Per way: the exchange alone, a bf16 matmul alone (M x K x N = 8192 x 8192 x 8192 by default) and both
+at once (the exchange on a side stream); and whether the received slots equal NCCL's. If the copies
+run on the copy engines, the matmul beside them keeps its speed, which NCCL's kernels (SMs of their
+own) do not let it do. NVLink multicast stays off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
+import torch.multiprocessing as mp
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+
+def _ms(fn, reps):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    t = torch.tensor([start.elapsed_time(end) / reps], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's
+    return t.item()
+
+
+def _worker(rank, world, folder, a):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{folder}/store", rank=rank, world_size=world)
+    group = dist.group.WORLD
+    rows, dim = a.rows, a.dim
+    gen = torch.Generator(device="cuda").manual_seed(rank)
+    send = torch.randn(world, rows, dim, device="cuda", generator=gen).to(torch.bfloat16)
+    recv_nccl = torch.empty_like(send)
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        symm_mem.enable_symm_mem_for_group(group.group_name)
+    recv = symm_mem.empty((world, rows, dim), dtype=torch.bfloat16, device="cuda")
+    handle = symm_mem.rendezvous(recv, group.group_name)
+    peers = [handle.get_buffer(p, (world, rows, dim), torch.bfloat16) for p in range(world)]
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    side = torch.cuda.Stream()
+    x = torch.randn(a.gemm, a.gemm, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(a.gemm, a.gemm, device="cuda", dtype=torch.bfloat16)
+
+    def nccl():
+        dist.all_to_all_single(recv_nccl.view(world * rows, dim), send.view(world * rows, dim), group=group)
+
+    def peer_copies():
+        cur = torch.cuda.current_stream()
+        for p in range(world):
+            streams[p].wait_stream(cur)
+            with torch.cuda.stream(streams[p]):
+                peers[p][rank].copy_(send[p])  # my slot in rank p's receive buffer
+        for s in streams:
+            cur.wait_stream(s)
+        handle.barrier(channel=0)  # every rank's copies into my buffer have landed
+
+    def gemm():
+        torch.mm(x, y)
+
+    def beside(exchange):
+        def run():
+            cur = torch.cuda.current_stream()
+            side.wait_stream(cur)
+            with torch.cuda.stream(side):
+                exchange()
+            gemm()
+            cur.wait_stream(side)
+        return run
+
+    nccl()
+    peer_copies()
+    torch.cuda.synchronize()
+    same = torch.equal(recv, recv_nccl)
+    res = {"gemm": _ms(gemm, a.reps)}
+    for name, fn in (("nccl", nccl), ("peer copies", peer_copies)):
+        res[name] = _ms(fn, a.reps)
+        res[name + " + gemm"] = _ms(beside(fn), a.reps)
+    if rank == 0:
+        mib = (world - 1) * rows * dim * 2 / 2**20
+        flops = 2 * a.gemm**3
+        print(f"{torch.cuda.get_device_name()} x {world} | torch {torch.__version__} | {mib:.0f} MiB sent per rank "
+              f"| matmul {a.gemm}^3 | received slots equal NCCL's: {same}")
+        print(f"  matmul alone: {res['gemm']:.3f} ms ({flops / res['gemm'] / 1e9:.0f} TF/s)")
+        for name in ("nccl", "peer copies"):
+            both = res[name + " + gemm"]
+            print(f"  {name:12s} alone {res[name]:.3f} ms ({mib * 2**20 / res[name] / 1e6:.0f} GB/s per rank); "
+                  f"with the matmul {both:.3f} ms (hidden {1 - (both - res['gemm']) / res[name]:.0%} of the "
+                  f"exchange, matmul at {flops / max(both, res['gemm']) / 1e9:.0f} TF/s or better)")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--world", type=int, default=torch.cuda.device_count())
+    p.add_argument("--rows", type=int, default=16384)
+    p.add_argument("--dim", type=int, default=2048)
+    p.add_argument("--gemm", type=int, default=8192)
+    p.add_argument("--reps", type=int, default=10)
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_worker, args=(a.world, folder, a), nprocs=a.world)
+
+
+if __name__ == "__main__":
+    main()
