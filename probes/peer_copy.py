@@ -1,16 +1,18 @@
 """An all-to-all of fixed slots on the copy engines (peer copies into symmetric memory) against NCCL's,
 alone and beside a GEMM, one process per GPU.
 
-    python probes/peer_copy.py [--world W] [--rows 16384] [--dim 2048] [--reps 10]
+    python probes/peer_copy.py [--world W] [--rows 16384] [--dim 2048] [--reps 10] [--split 1 2 4] [--pull]
 
 Expert parallelism's device splits send one fixed slot of ``rows`` token rows to every rank, so the
 host knows the size of every copy. Here each rank fills a (W, rows, dim) bf16 send buffer and every
 rank receives slot j of rank i into slot i of its own symmetric receive buffer, two ways:
 
 - **nccl**: ``all_to_all_single`` with equal splits (what ``ExpertParallelMoE`` runs);
-- **peer copies**: W - 1 ``copy_`` calls per rank into the peers' receive buffers (mapped by
-  ``torch.distributed._symmetric_memory``), one side stream per peer, then the buffer's barrier so
-  that every rank's slots have landed before anyone reads them.
+- **peer copies**: ``copy_`` calls into the peers' receive buffers (mapped by
+  ``torch.distributed._symmetric_memory``), each slot split into ``--split`` row blocks, one side
+  stream per block, then the buffer's barrier so that every rank's slots have landed before anyone
+  reads them. With ``--pull`` each rank instead reads its slots out of the peers' send buffers
+  (symmetric too), after a barrier that says they are written.
 
 Per way: the exchange alone, a bf16 matmul alone (M x K x N = 8192 x 8192 x 8192 by default) and both
 at once (the exchange on a side stream); and whether the received slots equal NCCL's. If the copies
@@ -62,7 +64,11 @@ def _worker(rank, world, folder, a):
     recv = symm_mem.empty((world, rows, dim), dtype=torch.bfloat16, device="cuda")
     handle = symm_mem.rendezvous(recv, group.group_name)
     peers = [handle.get_buffer(p, (world, rows, dim), torch.bfloat16) for p in range(world)]
-    streams = [torch.cuda.Stream() for _ in range(world)]
+    sym_send = symm_mem.empty((world, rows, dim), dtype=torch.bfloat16, device="cuda")
+    sym_send.copy_(send)
+    send_handle = symm_mem.rendezvous(sym_send, group.group_name)
+    sources = [send_handle.get_buffer(p, (world, rows, dim), torch.bfloat16) for p in range(world)]
+    streams = [torch.cuda.Stream() for _ in range(world * max(a.split))]
     side = torch.cuda.Stream()
     x = torch.randn(a.gemm, a.gemm, device="cuda", dtype=torch.bfloat16)
     y = torch.randn(a.gemm, a.gemm, device="cuda", dtype=torch.bfloat16)
@@ -70,15 +76,24 @@ def _worker(rank, world, folder, a):
     def nccl():
         dist.all_to_all_single(recv_nccl.view(world * rows, dim), send.view(world * rows, dim), group=group)
 
-    def peer_copies():
-        cur = torch.cuda.current_stream()
-        for p in range(world):
-            streams[p].wait_stream(cur)
-            with torch.cuda.stream(streams[p]):
-                peers[p][rank].copy_(send[p])  # my slot in rank p's receive buffer
-        for s in streams:
-            cur.wait_stream(s)
-        handle.barrier(channel=0)  # every rank's copies into my buffer have landed
+    def peer_copies(split):
+        def run():
+            cur = torch.cuda.current_stream()
+            if a.pull:
+                send_handle.barrier(channel=0)  # every rank's send buffer is ready to read
+            blocks = [(p, i) for p in range(world) for i in range(split)]
+            for (p, i), s in zip(blocks, streams, strict=False):
+                s.wait_stream(cur)
+                r0, r1 = rows * i // split, rows * (i + 1) // split
+                with torch.cuda.stream(s):
+                    if a.pull:  # rank p's slot for me, into my buffer
+                        recv[p, r0:r1].copy_(sources[p][rank, r0:r1])
+                    else:  # my slot for rank p, into rank p's buffer
+                        peers[p][rank, r0:r1].copy_(send[p, r0:r1])
+            for s in streams[: len(blocks)]:
+                cur.wait_stream(s)
+            handle.barrier(channel=0)  # every copy into (or out of) every buffer is done
+        return run
 
     def gemm():
         torch.mm(x, y)
@@ -94,11 +109,17 @@ def _worker(rank, world, folder, a):
         return run
 
     nccl()
-    peer_copies()
-    torch.cuda.synchronize()
-    same = torch.equal(recv, recv_nccl)
+    ways = {"nccl": nccl} | {f"{'pull' if a.pull else 'push'} x{k}": peer_copies(k) for k in a.split}
+    same = True
+    for name, fn in ways.items():
+        recv.zero_()
+        torch.cuda.synchronize()
+        dist.barrier()
+        fn()
+        torch.cuda.synchronize()
+        same = same and (name == "nccl" or torch.equal(recv, recv_nccl))
     res = {"gemm": _ms(gemm, a.reps)}
-    for name, fn in (("nccl", nccl), ("peer copies", peer_copies)):
+    for name, fn in ways.items():
         res[name] = _ms(fn, a.reps)
         res[name + " + gemm"] = _ms(beside(fn), a.reps)
     if rank == 0:
@@ -107,7 +128,7 @@ def _worker(rank, world, folder, a):
         print(f"{torch.cuda.get_device_name()} x {world} | torch {torch.__version__} | {mib:.0f} MiB sent per rank "
               f"| matmul {a.gemm}^3 | received slots equal NCCL's: {same}")
         print(f"  matmul alone: {res['gemm']:.3f} ms ({flops / res['gemm'] / 1e9:.0f} TF/s)")
-        for name in ("nccl", "peer copies"):
+        for name in ways:
             both = res[name + " + gemm"]
             print(f"  {name:12s} alone {res[name]:.3f} ms ({mib * 2**20 / res[name] / 1e6:.0f} GB/s per rank); "
                   f"with the matmul {both:.3f} ms (hidden {1 - (both - res['gemm']) / res[name]:.0%} of the "
@@ -123,6 +144,8 @@ def main():
     p.add_argument("--dim", type=int, default=2048)
     p.add_argument("--gemm", type=int, default=8192)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--split", type=int, nargs="+", default=[1], help="row blocks per slot (a stream each)")
+    p.add_argument("--pull", action="store_true", help="read the slots out of the peers' send buffers")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         mp.spawn(_worker, args=(a.world, folder, a), nprocs=a.world)
