@@ -70,8 +70,9 @@ class Options:
     - ``fused_dswiglu`` (``MOEKIT_FUSED_DSWIGLU``, off): the down-projection's dgrad computes the
       SwiGLU backward in an epilogue partition on sm_90, overlapping the next tile's main loop (d_aux
       and h bit-equal to the default). Off because it does not pay on the H100: 0.84-0.87x the dgrad
-      plus the pass at K = 4096 (mixtral, qwen3-235b), 0.99-1.17x elsewhere, and no block step
-      faster, as its streams cost the GEMM its L2 reuse (docs/design.md, section 5.6).
+      plus the pass at K = 4096 (mixtral; qwen3-235b with (E, F, D) weights, a layout the block does
+      not use), 0.99-1.17x elsewhere, and no block step faster, as its streams cost the GEMM its L2
+      reuse (docs/design.md, section 5.6).
     - ``sm_margin`` (``MOEKIT_SM_MARGIN``, 0): SMs the persistent GEMMs leave free (they launch one
       program per SM minus this many). Under expert parallelism with overlap the all-to-all's NCCL
       kernel (32 CTAs on two H200s) runs beside the GEMMs, and a persistent GEMM that finds SMs taken
@@ -254,7 +255,7 @@ def use_nvfp4_ptx_decode(device: torch.device) -> bool:
 def fused_dswiglu() -> bool:
     """Whether the down-projection's dgrad computes d_aux in an epilogue partition (the
     ``fused_dswiglu`` option) instead of a plain dgrad followed by the SwiGLU backward pass. Off by
-    default until it is timed on a GPU (docs/design.md, section 5.6)."""
+    default: it does not pay on the H100 (docs/design.md, section 5.6)."""
     return _options.fused_dswiglu
 
 

@@ -29,13 +29,14 @@ address the bytes the consumer wrote. With 4-row steps the consumers' stores tak
 
 The epilogue walks 4-row steps in a runtime loop (one copy of the math in the instruction cache),
 each thread 2 rows x 2 runs of 4 columns, so that a warp's access to a row is contiguous and fills
-whole 32-byte sectors (8 contiguous words per thread had each instruction touch every sector half,
-twice the L2 requests); each step's aux and row-scale loads go out two steps ahead of its math. The
-aux loads and the d_aux and h stores ask L2 to evict them first: they stream once, and the main
-loop's operands are what L2 should keep. (8-row steps spilled 136 bytes per step under gpt-oss's
-clamps; 4-row steps spill none with plain SwiGLU, 32 bytes with the clamps.) The same rows-ragged tile walk as
-the other kernels (``_tile_clamped``): rows of a tile past its group's end are masked, and the
-row-tile table's kernel zero-fills the rows of c and out2 past offs[-1].
+whole 32-byte sectors (8 contiguous words per thread would make each instruction touch half of every
+sector: twice the L2 requests); each step's aux and row-scale loads go out two steps ahead of its
+math. The aux loads and the d_aux and h stores ask L2 to evict them first: they stream once, and the
+main loop's operands are what L2 should keep. (ptxas, sm_90, 168 registers: 4-row steps spill nothing
+with plain SwiGLU and 12 bytes per thread with gpt-oss's clamps; 8-row steps spill more.) The same
+rows-ragged tile walk as the other kernels (``_tile_clamped``): rows of a tile past its group's end
+are masked, and with zero_tail the row-tile table's kernel zero-fills the rows of c and out2 past
+offs[-1].
 """
 
 from triton.experimental import gluon
