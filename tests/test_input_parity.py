@@ -120,6 +120,46 @@ def test_blocked_scales_of_bad_offs(interpreter, offs):
     assert torch.equal(k.view(torch.uint8), r.view(torch.uint8))
 
 
+def _strided(offs):
+    """offs as a stride-2 view of a buffer whose other entries are junk."""
+    buf = torch.full((offs.numel(), 2), 7, dtype=torch.int32)
+    buf[:, 0] = offs
+    return buf[:, 0]
+
+
+def _strided_offs_cases():
+    x, h = torch.randn(12, 32).to(BF16), torch.randn(12, 24).to(BF16)
+    w, w_up, w_down = torch.randn(3, 32, 16).to(BF16), torch.randn(3, 32, 48).to(BF16), torch.randn(3, 24, 32).to(BF16)
+    a_q, w_q = nvfp4.quantize(torch.randn(12, 64)), nvfp4.quantize_weights(torch.randn(3, 64, 32))
+    t_q, dy_q = nvfp4.quantize(torch.randn(8, 48)), nvfp4.quantize(torch.randn(16, 48))
+    w_up4 = (torch.randn(3, 32, 64) / 4).to(BF16)  # 2F a multiple of 32 (NVFP4 blocks of 16 per half)
+    return {
+        "grouped_mm": (lambda o: moekit.grouped_mm(x, w, o), [4, 9, 12]),
+        "grouped_mm_swiglu": (lambda o: moekit.grouped_mm_swiglu(x, w_up, o), [4, 9, 12]),
+        "grouped_mm_downproj": (lambda o: moekit.grouped_mm_downproj(h, w_down, o), [4, 9, 12]),
+        "to_blocked_ragged": (lambda o: nvfp4.to_blocked_ragged(a_q[1], o).view(torch.uint8), [4, 9, 12]),
+        "grouped_mm_nvfp4": (lambda o: moekit.grouped_mm_nvfp4(*a_q, *w_q, o), [4, 9, 12]),
+        "grouped_mm_nvfp4_wgrad": (lambda o: moekit.grouped_mm_nvfp4_wgrad(*t_q, *dy_q, o), [16, 32, 48]),
+        "grouped_mm_swiglu_nvfp4": (
+            lambda o: [t.view(torch.uint8)
+                       for t in moekit.grouped_mm_swiglu_nvfp4(x, w_up4, o, torch.tensor(0.01))[:2]],
+            [4, 9, 12]),
+    }
+
+
+@pytest.mark.parametrize("op", list(_strided_offs_cases()))
+def test_strided_offs_read_by_position(interpreter, op):
+    """offs as a strided view (a column of a bigger int32 tensor): the kernels read it by position, as
+    the reference does (they read junk between the entries and zeroed groups)."""
+    fn, ends = _strided_offs_cases()[op]
+    offs = torch.tensor(ends, dtype=torch.int32)
+    (strided, dense), (ref, _) = _both(lambda: (fn(_strided(offs)), fn(offs)))
+    for got, want, r in zip(*(t if isinstance(t, (list, tuple)) else [t] for t in (strided, dense, ref)),
+                            strict=True):
+        assert torch.equal(got, want)
+        assert got.dtype != torch.uint8 or torch.equal(got, r)
+
+
 def test_a_block_takes_column_major_tokens(interpreter):
     moe = moekit.MoE(32, 24, 4, 2, dtype=BF16)
     x = torch.randn(32, 8).to(BF16).t()
@@ -163,7 +203,29 @@ BAD_INPUTS = {
     "a block with top_k = 0": (ValueError, lambda: moekit.MoE(32, 24, 4, 0)),
     "a block with top_k > E": (ValueError, lambda: moekit.MoE(32, 24, 4, 5)),
     "a block with a relu router": (ValueError, lambda: moekit.MoE(32, 24, 4, 2, score_func="relu")),
+    "an int bias": (TypeError, lambda: moekit.grouped_mm_swiglu(
+        torch.randn(16, 32).to(BF16), torch.randn(2, 32, 48).to(BF16), offs_from_counts([8, 8]),
+        bias=torch.ones(2, 48, dtype=torch.int32))),
+    "an int bias into the NVFP4 up-projection": (TypeError, lambda: moekit.grouped_mm_swiglu_nvfp4(
+        torch.randn(16, 32).to(BF16), torch.randn(2, 32, 64).to(BF16), offs_from_counts([8, 8]),
+        torch.tensor(0.01), bias=torch.ones(2, 64, dtype=torch.int32))),
+    "a bool seed": (TypeError, lambda: nvfp4.quantize(torch.randn(4, 32), rounding="stochastic", seed=True)),
+    "a bool offset": (TypeError, lambda: nvfp4.quantize(torch.randn(4, 32), rounding="stochastic", offset=False)),
+    "interleave of a width not a multiple of 16": (ValueError, lambda: nvfp4.interleave8_ref(torch.randn(4, 24))),
+    "interleave of a scalar": (ValueError, lambda: nvfp4.interleave8_ref(torch.tensor(1.0))),
+    "deinterleave of a width not a multiple of 16": (ValueError,
+                                                     lambda: nvfp4.deinterleave8_ref(torch.randn(4, 24))),
 }
+
+
+def test_nvfp4_up_projection_zeroes_codes_past_offs_end(interpreter):
+    """Decreasing offs (out of contract, never read by the host): both paths write zero codes and
+    scales for every row at or past offs[-1], and the same bytes before it."""
+    x, w = torch.randn(10, 32).to(BF16), (torch.randn(2, 32, 64) / 4).to(BF16)
+    offs = torch.tensor([9, 4], dtype=torch.int32)
+    (kv, ks, _), (rv, rs, _) = _both(lambda: moekit.grouped_mm_swiglu_nvfp4(x, w, offs, torch.tensor(0.002)))
+    for k, r in ((kv, rv), (ks, rs)):
+        assert torch.equal(k.view(torch.uint8), r.view(torch.uint8)) and not k.view(torch.uint8)[4:].any()
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))

@@ -528,6 +528,8 @@ def _check_expert_inputs(name, x, w, offs, bias, n_bias):
         raise ValueError(f"{name}: offs must have shape (E,) = ({w.shape[0]},), got {tuple(offs.shape)}")
     if len({x.device, w.device, offs.device} | ({bias.device} if bias is not None else set())) != 1:
         raise ValueError(f"{name}: all tensors must be on one device")
+    if bias is not None and not bias.is_floating_point():
+        raise TypeError(f"{name}: bias must be a floating-point tensor, got {bias.dtype}")
     if bias is not None and (bias.shape != (w.shape[0], n_bias) or bias.stride(-1) != 1):
         raise ValueError(f"{name}: bias must be (E, N) = ({w.shape[0]}, {n_bias}) with unit column stride")
     check_layout("x", x)
@@ -587,6 +589,7 @@ def grouped_mm_swiglu(
     """
     spec = SwiGLU(swiglu_alpha, swiglu_limit, swiglu_linear_offset, gate_up_layout)
     _check_expert_inputs("grouped_mm_swiglu", x, w_up, offs, bias, w_up.shape[2])
+    offs = offs.contiguous()  # the kernels read offs by position: a strided view becomes a copy
     if w_up.shape[2] % 2:
         raise ValueError(f"grouped_mm_swiglu: w_up's last dim must be 2F (even), got {w_up.shape[2]}")
     if (token_idx is None) != (row_of is None):
@@ -639,6 +642,7 @@ def grouped_mm_downproj(
     """
     spec = SwiGLU(swiglu_alpha, swiglu_limit, swiglu_linear_offset, gate_up_layout)
     _check_expert_inputs("grouped_mm_downproj", h, w_down, offs, bias, w_down.shape[2])
+    offs = offs.contiguous()  # the kernels read offs by position: a strided view becomes a copy
     aux = aux_biased_acc
     if aux is not None and aux.shape != (h.shape[0], 2 * h.shape[1]):
         raise ValueError(f"grouped_mm_downproj: aux must be (M, 2F) = ({h.shape[0]}, {2 * h.shape[1]})")

@@ -258,6 +258,7 @@ def grouped_mm(
         rows = torch.arange(1, e + 1, device=a.device, dtype=torch.int32) * m
         out = grouped_mm(a.reshape(e * m, k), b, rows, out_dtype=out_dtype)
         return out.view(e, m, b.shape[-1])
+    offs = offs.contiguous()  # the kernels read offs by position: a strided view becomes a copy
     if validate or config.get_options().debug:
         check_offs(offs, a.shape[0] if form == "2d3d" else a.shape[1])
     if not config.uses_triton(a.device):

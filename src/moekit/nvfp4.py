@@ -230,7 +230,7 @@ def _check_rounding(rounding: str, seed: int, offset: int, numel: int, name: str
         raise ValueError(f"{name}: rounding must be one of {ROUNDINGS}, got {rounding!r}")
     if rounding == "nearest":
         return False
-    if not (isinstance(seed, int) and isinstance(offset, int)):
+    if not (isinstance(seed, int) and isinstance(offset, int)) or isinstance(seed, bool) or isinstance(offset, bool):
         raise TypeError(f"{name}: seed and offset must be Python ints, got {type(seed).__name__} and "
                         f"{type(offset).__name__}")
     if not (0 <= seed < _SEED_LIMIT and 0 <= offset and offset + numel // 4 <= _SEED_LIMIT):
@@ -421,15 +421,19 @@ def to_blocked_experts_ref(scales: torch.Tensor) -> torch.Tensor:
 def interleave8_ref(t: torch.Tensor) -> torch.Tensor:
     """(..., 2F) as [gate | up] halves -> gate/up interleaved by 8 columns: gate 0-7, up 0-7, gate 8-15, ...
     (F a multiple of 8), so that a 16-element scale block holds 8 gate and 8 up values."""
+    if t.dim() == 0 or t.shape[-1] % (2 * INTERLEAVE):
+        raise ValueError(f"interleave8_ref: the last dim must be a multiple of {2 * INTERLEAVE}, got shape "
+                         f"{tuple(t.shape)}")
     f = t.shape[-1] // 2
-    if t.shape[-1] % (2 * INTERLEAVE):
-        raise ValueError(f"interleave8_ref: the last dim must be a multiple of {2 * INTERLEAVE}, got {t.shape[-1]}")
     gate, up = t[..., :f].unflatten(-1, (-1, INTERLEAVE)), t[..., f:].unflatten(-1, (-1, INTERLEAVE))
     return torch.stack([gate, up], dim=-2).flatten(-3)
 
 
 def deinterleave8_ref(t: torch.Tensor) -> torch.Tensor:
     """Inverse of ``interleave8_ref``: gate/up interleaved by 8 -> [gate | up] halves."""
+    if t.dim() == 0 or t.shape[-1] % (2 * INTERLEAVE):
+        raise ValueError(f"deinterleave8_ref: the last dim must be a multiple of {2 * INTERLEAVE}, got shape "
+                         f"{tuple(t.shape)}")
     pairs = t.unflatten(-1, (-1, 2, INTERLEAVE))
     return torch.cat([pairs[..., 0, :].flatten(-2), pairs[..., 1, :].flatten(-2)], dim=-1)
 
@@ -757,6 +761,7 @@ def to_blocked_ragged(scales: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     the unused tiles are not laid out (zeros). Bit for bit ``to_blocked_ragged_ref``; no host sync."""
     _check_scales(scales, 2, "nvfp4.to_blocked_ragged")
     _check_offs(offs, scales, "nvfp4.to_blocked_ragged")
+    offs = offs.contiguous()  # the kernels read offs by position: a strided view becomes a copy
     if not config.uses_triton(scales.device):
         return to_blocked_ragged_ref(scales, offs)
     out = _run(_to_blocked_ragged_op, to_blocked_ragged_fwd, scales.view(torch.uint8), offs)

@@ -442,6 +442,7 @@ def grouped_mm_nvfp4(
     torch.compile it is the custom op ``moekit::grouped_mm_nvfp4``.
     """
     check_inputs(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out_dtype, w_packed)
+    offs = offs.contiguous()  # the kernels read offs by position: a strided view becomes a copy
     if not config.uses_triton(a_values.device):
         return grouped_mm_nvfp4_ref(a_values, a_scales, a_global, w_values, w_scales, w_global, offs,
                                     out_dtype=out_dtype, w_packed=w_packed)
@@ -580,6 +581,7 @@ def grouped_mm_nvfp4_wgrad(
     ``grouped_mm_nvfp4_wgrad_ref``. Under torch.compile it is the custom op ``moekit::grouped_mm_nvfp4_wgrad``.
     """
     check_wgrad_inputs(a_values, a_scales, a_global, b_values, b_scales, b_global, offs, out_dtype)
+    offs = offs.contiguous()  # the kernels read offs by position: a strided view becomes a copy
     if not config.uses_triton(a_values.device):
         return grouped_mm_nvfp4_wgrad_ref(a_values, a_scales, a_global, b_values, b_scales, b_global, offs,
                                           out_dtype=out_dtype)

@@ -135,10 +135,12 @@ def grouped_mm_swiglu_nvfp4_ref(
     h, _ = grouped_mm_swiglu_ref(x, w_up, offs, bias=bias, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
                                  swiglu_linear_offset=swiglu_linear_offset, gate_up_layout=layout)
     values, scales, g = quantize_ref(h.detach(), global_scale)
-    # rows past offs[-1]: zero codes and zero scales, also for a global scale outside the format
+    # rows past offs[-1]: zero codes and zero scales, also for a global scale outside the format (or
+    # offs out of contract, which leaves h nonzero there)
     tail = (torch.arange(h.shape[0], device=h.device) >= offs[-1:])[:, None] if offs.numel() else True
     scales = torch.where(tail, torch.zeros_like(scales.view(torch.uint8)), scales.view(torch.uint8))
-    return values, scales.view(torch.float8_e4m3fn), g
+    values = torch.where(tail, torch.zeros_like(values.view(torch.uint8)), values.view(torch.uint8))
+    return values.view(torch.float4_e2m1fn_x2), scales.view(torch.float8_e4m3fn), g
 
 
 # --------------------------------------------------------------------------------------------------
@@ -324,6 +326,7 @@ def grouped_mm_swiglu_nvfp4(
     name = "grouped_mm_swiglu_nvfp4"
     _check_gemm(x, w_up, offs, bias, global_scale, name)
     _check_spec(swiglu_alpha, swiglu_limit, swiglu_linear_offset, gate_up_layout, name)
+    offs = offs.contiguous()  # the kernels read offs by position: a strided view becomes a copy
     if not config.uses_triton(x.device):
         return grouped_mm_swiglu_nvfp4_ref(x, w_up, offs, global_scale, bias=bias, swiglu_alpha=swiglu_alpha,
                                            swiglu_limit=swiglu_limit, swiglu_linear_offset=swiglu_linear_offset,
