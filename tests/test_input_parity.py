@@ -160,6 +160,19 @@ def test_strided_offs_read_by_position(interpreter, op):
         assert got.dtype != torch.uint8 or torch.equal(got, r)
 
 
+def test_strided_routing_indices_read_by_position(interpreter):
+    """token_idx and row_of as strided views into the permute-free up-projection: the rows it gathers
+    are the ones they name, as on the reference (the kernel read the junk between the entries)."""
+    x, w_up = torch.randn(12, 32).to(BF16), torch.randn(3, 32, 48).to(BF16)
+    r = moekit.topk_router(x, torch.randn(3, 32), top_k=2)
+    token_idx, row_of = _strided(r.token_idx), _strided(r.row_of.reshape(-1)).view(r.row_of.shape)
+    (strided, dense), (ref, _) = _both(lambda: (moekit.grouped_mm_swiglu(x, w_up, r.offs, token_idx=token_idx,
+                                                                         row_of=row_of)[0],
+                                                moekit.grouped_mm_swiglu(x, w_up, r.offs, token_idx=r.token_idx,
+                                                                         row_of=r.row_of)[0]))
+    assert torch.equal(strided, dense) and _rel(strided, ref) < 0.02
+
+
 def test_a_block_takes_column_major_tokens(interpreter):
     moe = moekit.MoE(32, 24, 4, 2, dtype=BF16)
     x = torch.randn(32, 8).to(BF16).t()

@@ -598,6 +598,7 @@ def grouped_mm_swiglu(
         ok = token_idx.dtype == row_of.dtype == torch.int32 and token_idx.dim() == 1 and row_of.dim() == 2
         if not ok or row_of.shape[0] != x.shape[0] or token_idx.numel() > row_of.numel():
             raise ValueError("grouped_mm_swiglu: token_idx (R,) and row_of (T, K) must be int32 with R <= T*K")
+        token_idx, row_of = token_idx.contiguous(), row_of.contiguous()  # (read by position, as offs)
     _check_row_scale("grouped_mm_swiglu", row_scale, x.shape[0] if token_idx is None else token_idx.numel(), x.device)
     zero_tail = _zero_tail("grouped_mm_swiglu", tail)
     if token_idx is not None and not zero_tail:  # the choices past offs[-1] have unwritten rows: absent
