@@ -3,8 +3,9 @@ wgmmas pipelined and spills nothing.
 
 A kernel whose wgmmas ptxas serializes (``C7515``: it finds a non-wgmma instruction defining
 accumulator registers inside a pipeline stage, anywhere in the function) still computes the right
-bits, so no GPU test would see it; it runs 7-19% slower. A branch that merely added a second code path
-to the consumers' loop did that (docs/design.md, section 11: narrow tiles)."""
+bits, so no GPU test would see it; it runs 7-19% slower. Two branches of the consumers' loop that
+differ only in constant shared-memory offsets, which the compiler merges, are enough to cause it
+(docs/design.md, section 11: narrow tiles)."""
 
 import os
 import subprocess
