@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # The GPU workflow in one command: the GPU test suite, then the benchmarks, with logs and tables in $OUT.
-#   bash benchmarks/run_gpu.sh [tests] [bench] [moe] [experts] [grouped_mm] [sweep] [profile] [sanitize] [ep]
+#   bash benchmarks/run_gpu.sh [tests] [bench] [moe] [experts] [grouped_mm] [sweep] [profile] [sanitize] [kernels] [ep]
 #     (default: tests bench)
 #   tests:   python -m pytest -m gpu
 #   bench:   python -m moekit bench (all three tables and their plots)
-#   moe / experts / grouped_mm: one table alone; sweep: the grouped-GEMM config sweep;
+#   moe / experts / grouped_mm: one table alone (moe adds the bench arguments in $MOE_ARGS, such as
+#       "--shape qwen3-30b-a3b"); sweep: the grouped-GEMM config sweep;
 #   profile: per-kernel times of one gpt-oss-20b and -120b expert step.
 #   sanitize: compute-sanitizer's four tools over benchmarks/sanitize_set.py (benchmarks/sanitize.sh).
+#   kernels: per-kernel times of one block step of SonicMoE (when carried) and of moekit on each shape of
+#       $SHAPES (default gpt-oss-20b), each in its own process (probes/sonic_kernels.py; SonicMoE's
+#       first call, which autotunes from an empty cache, under a ${SONIC_TIMEOUT:-480} s timeout).
 #   ep: expert-parallel weak scaling over every GPU of the machine (benchmarks/ep_scaling.py; two or more
 #       GPUs, NVLink multicast off).
 # Optional archives, when present in the working tree:
@@ -34,7 +38,9 @@ if [ -f .sonic/sonic.tar.xz ]; then
   sonic=(--sonicmoe)
   mkdir -p .sonic/quack  # QuACK keeps both its autotune results and its compiled kernels there
   export QUACK_CACHE_DIR=$PWD/.sonic/quack QUACK_CACHE_AUTOTUNING=1 QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-16}
-  trap 'tar -C .sonic -czf "$OUT/sonic-quack.tgz" quack' EXIT
+  # the whole cache, and its autotune results alone (small enough to carry beside the bundle)
+  trap 'tar -C .sonic -czf "$OUT/sonic-quack.tgz" quack;
+        (cd .sonic && find quack -name "*.json" -print0 | tar --null -T - -czf "$OUT/sonic-tuned.tgz")' EXIT
 fi
 steps=${*:-tests bench}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
@@ -45,12 +51,16 @@ for step in $steps; do
   case $step in
     tests) python3 -m pytest -m gpu -q -x tests 2>&1 | tee "$OUT/pytest.log" | tail -15 ;;
     bench) run_bench "${sonic[@]}" | tee "$OUT/bench.log" ;;
-    moe) run_bench --only moe "${sonic[@]}" | tee "$OUT/moe.log" ;;
+    moe) run_bench --only moe "${sonic[@]}" ${MOE_ARGS:-} | tee "$OUT/moe.log" ;;
     experts|grouped_mm) run_bench --only "$step" | tee "$OUT/$step.log" ;;
     sweep) python3 benchmarks/sweep_grouped_mm.py ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.md" ;;
     sanitize) bash benchmarks/sanitize.sh 2>&1 | tee "$OUT/sanitize.log" ;;
     profile) for s in gpt-oss-20b gpt-oss-120b; do python3 benchmarks/profile_experts.py --shape $s; done 2>&1 \
       | tee "$OUT/profile.log" ;;
+    kernels) for s in ${SHAPES:-gpt-oss-20b}; do
+        [ ${#sonic[@]} -gt 0 ] && timeout "${SONIC_TIMEOUT:-480}" python3 probes/sonic_kernels.py --impl sonic --shape "$s"
+        python3 probes/sonic_kernels.py --impl moekit --shape "$s"
+      done 2>&1 | tee "$OUT/kernels.log" ;;
     ep) NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
       python3 benchmarks/ep_scaling.py --chunks 1 --chunks 2 --chunks 4 --profile --out "$OUT/ep_scaling.md" 2>&1 \
       | tee "$OUT/ep.log" ;;

@@ -6,7 +6,8 @@ one shape, in separate processes on the same GPU: where SonicMoE's step is short
 
 Plain SwiGLU, no biases, each block's own router, bf16, T from the benchmark's shape. The step is
 profiled (``torch.profiler``) after its first calls (SonicMoE's first call autotunes its GEMMs), and the
-kernels are listed by total time per step, with their calls.
+kernels are listed by total time per step, with their calls, then the longer ones call by call in launch
+order (which GEMM is which).
 """
 
 import argparse
@@ -15,7 +16,7 @@ import time
 import torch
 
 
-def _profile(step, top: int) -> None:
+def _profile(step, top: int, min_ms: float) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from moekit.bench import cuda_kernels
@@ -34,6 +35,11 @@ def _profile(step, top: int) -> None:
     print(f"kernels: {sum(calls.values())}, GPU time {sum(totals.values()):.2f} ms")
     for name, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:top]:
         print(f"  {ms:7.3f} ms  x{calls[name]:<3d} {name[:110]}")
+    print(f"in launch order, the kernels of {min_ms} ms or more:")
+    for e in cuda_kernels(prof):
+        ms = e.time_range.elapsed_us() / 1e3
+        if ms >= min_ms:
+            print(f"  {ms:7.3f} ms  {e.name[:110]}")
 
 
 def main():
@@ -41,6 +47,7 @@ def main():
     p.add_argument("--impl", choices=["sonic", "moekit"], required=True)
     p.add_argument("--shape", default="gpt-oss-20b")
     p.add_argument("--top", type=int, default=24)
+    p.add_argument("--min-ms", type=float, default=0.1, help="list each call of the kernels this long, in order")
     a = p.parse_args()
     from moekit.bench import BLOCK_SHAPES, environment
 
@@ -77,7 +84,7 @@ def main():
     step()
     torch.cuda.synchronize()
     print(f"first call {time.perf_counter() - t0:.1f} s", flush=True)
-    _profile(step, a.top)
+    _profile(step, a.top, a.min_ms)
 
 
 if __name__ == "__main__":
