@@ -280,8 +280,7 @@ def _ws_layouts(block_m: int):
             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))
 
 
-def _ws_mm(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out, cfg: config.TileConfig,
-           decoded_stages: int = 0):
+def _ws_mm(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out, cfg: config.TileConfig):
     """The warp-specialized kernel into ``out`` (M, N) on inputs that ``ws_ok`` takes, M, N, K > 0: A
     decoded once to f16 beforehand (exact), the packed weights and their scale words streamed through
     a ring of ``cfg.num_stages`` shared-memory stages of ``cfg.block_k / 64`` chunks; tiles of 128
@@ -306,17 +305,7 @@ def _ws_mm(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out
         BLOCK_M=bm, BLOCK_E=triton.next_power_of_2(e + 1), BLOCK_T=32, BLOCK_Z=32, ZERO_TAIL=True, num_warps=4,
     )
     programs = config.num_sms(a_values.device) * cfg.programs_per_sm
-    grid = (min(programs, max_row_tiles * triton.cdiv(n, 128)),)
-    if decoded_stages:  # the weights decoded into shared memory (_kernels/nvfp4_gemm_ws_ss.py)
-        from ._kernels.nvfp4_gemm_ws_ss import _grouped_mm_nvfp4_ws_ss_kernel
-
-        _grouped_mm_nvfp4_ws_ss_kernel[grid](
-            a_desc, w_desc, ws, a_global, w_global, w_global.stride(0), out, out.stride(0), table, n, k,
-            NUM_PROGRAMS=programs, GROUP_M=1, STAGES=cfg.num_stages, CHUNKS=cfg.block_k // 64,
-            DSTAGES=decoded_stages, REGS=cfg.max_registers, num_warps=4, maxnreg=cfg.max_registers,
-        )
-        return out
-    _grouped_mm_nvfp4_ws_kernel[grid](
+    _grouped_mm_nvfp4_ws_kernel[(min(programs, max_row_tiles * triton.cdiv(n, 128)),)](
         a_desc, w_desc, ws, a_global, w_global, w_global.stride(0), out, out.stride(0), table, n, k,
         NUM_PROGRAMS=programs, GROUP_M=1, STAGES=cfg.num_stages, CHUNKS=cfg.block_k // 64,
         REGS=cfg.max_registers, num_warps=4, maxnreg=cfg.max_registers,
