@@ -2,6 +2,7 @@
 alone and beside a GEMM, one process per GPU.
 
     python probes/peer_copy.py [--world W] [--rows 16384] [--dim 2048] [--reps 10] [--split 1 2 4] [--pull]
+                               [--moe-tokens T [--hidden 768 --experts 32 --top-k 8]]
 
 Expert parallelism's device splits send one fixed slot of ``rows`` token rows to every rank, so the
 host knows the size of every copy. Here each rank fills a (W, rows, dim) bf16 send buffer and every
@@ -17,7 +18,10 @@ rank receives slot j of rank i into slot i of its own symmetric receive buffer, 
 Per way: the exchange alone, a bf16 matmul alone (M x K x N = 8192 x 8192 x 8192 by default) and both
 at once (the exchange on a side stream); and whether the received slots equal NCCL's. If the copies
 run on the copy engines, the matmul beside them keeps its speed, which NCCL's kernels (SMs of their
-own) do not let it do. NVLink multicast stays off.
+own) do not let it do. With ``--moe-tokens T`` the work beside the exchange is instead one forward and
+backward of a ``moekit.MoE`` block of T tokens (plain SwiGLU, no biases; ``--experts`` is the experts
+one rank holds, so the defaults are qwen3-30b-a3b's share at EP 4): what an expert-parallel step with
+chunks runs beside each chunk's exchanges. NVLink multicast stays off.
 """
 
 from __future__ import annotations
@@ -72,6 +76,14 @@ def _worker(rank, world, folder, a):
     side = torch.cuda.Stream()
     x = torch.randn(a.gemm, a.gemm, device="cuda", dtype=torch.bfloat16)
     y = torch.randn(a.gemm, a.gemm, device="cuda", dtype=torch.bfloat16)
+    if a.moe_tokens:
+        import moekit
+
+        torch.manual_seed(0)
+        moe = moekit.MoE(dim, a.hidden, a.experts, a.top_k, bias=False, router_bias=False, activation="swiglu",
+                         device="cuda", dtype=torch.bfloat16)
+        tokens = torch.randn(a.moe_tokens, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        grad_out = torch.randn(a.moe_tokens, dim, device="cuda", dtype=torch.bfloat16)
 
     def nccl():
         dist.all_to_all_single(recv_nccl.view(world * rows, dim), send.view(world * rows, dim), group=group)
@@ -96,7 +108,10 @@ def _worker(rank, world, folder, a):
         return run
 
     def gemm():
-        torch.mm(x, y)
+        if a.moe_tokens:
+            moe(tokens).backward(grad_out)
+        else:
+            torch.mm(x, y)
 
     def beside(exchange):
         def run():
@@ -124,15 +139,18 @@ def _worker(rank, world, folder, a):
         res[name + " + gemm"] = _ms(beside(fn), a.reps)
     if rank == 0:
         mib = (world - 1) * rows * dim * 2 / 2**20
-        flops = 2 * a.gemm**3
+        flops = 2 * a.gemm**3 if not a.moe_tokens else 18 * a.moe_tokens * a.top_k * dim * a.hidden
+        work = (f"MoE step T={a.moe_tokens} D={dim} F={a.hidden} E={a.experts} K={a.top_k}" if a.moe_tokens
+                else f"matmul {a.gemm}^3")
         print(f"{torch.cuda.get_device_name()} x {world} | torch {torch.__version__} | {mib:.0f} MiB sent per rank "
-              f"| matmul {a.gemm}^3 | received slots equal NCCL's: {same}")
-        print(f"  matmul alone: {res['gemm']:.3f} ms ({flops / res['gemm'] / 1e9:.0f} TF/s)")
+              f"| {work} | received slots equal NCCL's: {same}")
+        print(f"  {'MoE step' if a.moe_tokens else 'matmul'} alone: {res['gemm']:.3f} ms "
+              f"({flops / res['gemm'] / 1e9:.0f} TF/s)")
         for name in ways:
             both = res[name + " + gemm"]
             print(f"  {name:12s} alone {res[name]:.3f} ms ({mib * 2**20 / res[name] / 1e6:.0f} GB/s per rank); "
-                  f"with the matmul {both:.3f} ms (hidden {1 - (both - res['gemm']) / res[name]:.0%} of the "
-                  f"exchange, matmul at {flops / max(both, res['gemm']) / 1e9:.0f} TF/s or better)")
+                  f"with the work {both:.3f} ms (hidden {1 - (both - res['gemm']) / res[name]:.0%} of the "
+                  f"exchange, work at {flops / max(both, res['gemm']) / 1e9:.0f} TF/s or better)")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -146,6 +164,10 @@ def main():
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--split", type=int, nargs="+", default=[1], help="row blocks per slot (a stream each)")
     p.add_argument("--pull", action="store_true", help="read the slots out of the peers' send buffers")
+    p.add_argument("--moe-tokens", type=int, default=0, help="beside a moekit.MoE step of this many tokens")
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--top-k", type=int, default=8)
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         mp.spawn(_worker, args=(a.world, folder, a), nprocs=a.world)
