@@ -1,5 +1,5 @@
 """An all-to-all of fixed slots on the copy engines (peer copies into symmetric memory) against NCCL's,
-alone and beside a GEMM, one process per GPU.
+alone and beside a GEMM or an MoE step, one process per GPU.
 
     python probes/peer_copy.py [--world W] [--rows 16384] [--dim 2048] [--reps 10] [--split 1 2 4] [--pull]
                                [--moe-tokens T [--hidden 768 --experts 32 --top-k 8]]
@@ -74,8 +74,6 @@ def _worker(rank, world, folder, a):
     sources = [send_handle.get_buffer(p, (world, rows, dim), torch.bfloat16) for p in range(world)]
     streams = [torch.cuda.Stream() for _ in range(world * max(a.split))]
     side = torch.cuda.Stream()
-    x = torch.randn(a.gemm, a.gemm, device="cuda", dtype=torch.bfloat16)
-    y = torch.randn(a.gemm, a.gemm, device="cuda", dtype=torch.bfloat16)
     if a.moe_tokens:
         import moekit
 
@@ -84,6 +82,9 @@ def _worker(rank, world, folder, a):
                          device="cuda", dtype=torch.bfloat16)
         tokens = torch.randn(a.moe_tokens, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         grad_out = torch.randn(a.moe_tokens, dim, device="cuda", dtype=torch.bfloat16)
+    else:
+        x = torch.randn(a.gemm, a.gemm, device="cuda", dtype=torch.bfloat16)
+        y = torch.randn(a.gemm, a.gemm, device="cuda", dtype=torch.bfloat16)
 
     def nccl():
         dist.all_to_all_single(recv_nccl.view(world * rows, dim), send.view(world * rows, dim), group=group)
@@ -107,7 +108,7 @@ def _worker(rank, world, folder, a):
             handle.barrier(channel=0)  # every copy into (or out of) every buffer is done
         return run
 
-    def gemm():
+    def work():  # what runs beside the exchange
         if a.moe_tokens:
             moe(tokens).backward(grad_out)
         else:
@@ -119,7 +120,7 @@ def _worker(rank, world, folder, a):
             side.wait_stream(cur)
             with torch.cuda.stream(side):
                 exchange()
-            gemm()
+            work()
             cur.wait_stream(side)
         return run
 
@@ -133,10 +134,10 @@ def _worker(rank, world, folder, a):
         fn()
         torch.cuda.synchronize()
         same = same and (name == "nccl" or torch.equal(recv, recv_nccl))
-    res = {"gemm": _ms(gemm, a.reps)}
+    res = {"work": _ms(work, a.reps)}
     for name, fn in ways.items():
         res[name] = _ms(fn, a.reps)
-        res[name + " + gemm"] = _ms(beside(fn), a.reps)
+        res[name + " + work"] = _ms(beside(fn), a.reps)
     if rank == 0:
         mib = (world - 1) * rows * dim * 2 / 2**20
         flops = 2 * a.gemm**3 if not a.moe_tokens else 18 * a.moe_tokens * a.top_k * dim * a.hidden
@@ -144,13 +145,13 @@ def _worker(rank, world, folder, a):
                 else f"matmul {a.gemm}^3")
         print(f"{torch.cuda.get_device_name()} x {world} | torch {torch.__version__} | {mib:.0f} MiB sent per rank "
               f"| {work} | received slots equal NCCL's: {same}")
-        print(f"  {'MoE step' if a.moe_tokens else 'matmul'} alone: {res['gemm']:.3f} ms "
-              f"({flops / res['gemm'] / 1e9:.0f} TF/s)")
+        print(f"  {'MoE step' if a.moe_tokens else 'matmul'} alone: {res['work']:.3f} ms "
+              f"({flops / res['work'] / 1e9:.0f} TF/s)")
         for name in ways:
-            both = res[name + " + gemm"]
+            both = res[name + " + work"]
             print(f"  {name:12s} alone {res[name]:.3f} ms ({mib * 2**20 / res[name] / 1e6:.0f} GB/s per rank); "
-                  f"with the work {both:.3f} ms (hidden {1 - (both - res['gemm']) / res[name]:.0%} of the "
-                  f"exchange, work at {flops / max(both, res['gemm']) / 1e9:.0f} TF/s or better)")
+                  f"with the work {both:.3f} ms (hidden {1 - (both - res['work']) / res[name]:.0%} of the "
+                  f"exchange, work at {flops / max(both, res['work']) / 1e9:.0f} TF/s or better)")
     dist.barrier()
     dist.destroy_process_group()
 
