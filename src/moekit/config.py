@@ -85,6 +85,10 @@ class Options:
     - ``nvfp4_ptx_decode`` (``MOEKIT_NVFP4_PTX_DECODE``, on): the emulated NVFP4 grouped GEMM decodes
       its operands with inline PTX byte tables into f16 on sm_89 and newer; off, the decode written in
       Triton ops into bf16. The products are exact either way (docs/design.md, section 14).
+    - ``fast_launch`` (``MOEKIT_FAST_LAUNCH``, on): kernels launch through ``moekit.launch``, which keeps
+      each compiled kernel under its call's specialization facts and launches it directly on later
+      calls, skipping Triton's per-call binding (tens of microseconds of host time per GEMM launch); off,
+      every launch goes through Triton's ``fn[grid](...)``. The kernels and their bits are the same.
     - ``poison`` (no variable; a test aid): every kernel output starts as NaN (-1 for integers), so an
       unwritten element shows.
     """
@@ -98,6 +102,7 @@ class Options:
     sm_margin: int = 0
     gluon_quantize: bool = True
     nvfp4_ptx_decode: bool = True
+    fast_launch: bool = True
     poison: bool = False
 
 

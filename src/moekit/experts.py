@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import config
+from . import config, launch
 from ._kernels.epilogue import _swiglu_bwd_kernel, _swiglu_kernel
 from ._kernels.experts import _grouped_colsum_kernel, _grouped_mm_swiglu_kernel
 from ._kernels.hopper_modes import Epilogue
@@ -109,7 +109,7 @@ def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig
     else:
         args = (x, w, aux_a, aux_b, h)
     tiles = (triton.cdiv(m, bm) + e + 1) * triton.cdiv(f, bf)
-    _grouped_mm_swiglu_kernel[(min(sms * cfg.programs_per_sm, tiles),)](
+    launch.kernel(_grouped_mm_swiglu_kernel)[(min(sms * cfg.programs_per_sm, tiles),)](
         *args, offs, bias, token_idx, row_scale,
         m, f, d, e,
         x.stride(0), x.stride(1),
@@ -201,7 +201,7 @@ def grouped_colsum(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     if n == 0:
         return out
     block_r, block_c = (16, 32) if config.is_interpreting() else (32, 128)
-    _grouped_colsum_kernel[(triton.cdiv(n, block_c), e)](
+    launch.kernel(_grouped_colsum_kernel)[(triton.cdiv(n, block_c), e)](
         x, offs, out, m, n, e, x.stride(0), out.stride(0), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4
     )
     return out
@@ -219,7 +219,8 @@ def swiglu_fwd(pre: torch.Tensor, spec: SwiGLU) -> torch.Tensor:
     h = config.empty((m, two_f // 2), dtype=pre.dtype, device=pre.device)
     if h.numel():
         grid, blocks = _elementwise_grid(m, two_f // 2)
-        _swiglu_kernel[grid](pre, h, m, two_f // 2, pre.stride(0), h.stride(0), **spec.constexprs(), **blocks)
+        launch.kernel(_swiglu_kernel)[grid](pre, h, m, two_f // 2, pre.stride(0), h.stride(0), **spec.constexprs(),
+                                            **blocks)
     return h
 
 
@@ -247,7 +248,7 @@ def swiglu_bwd(pre: torch.Tensor, dh: torch.Tensor, spec: SwiGLU, *, with_h: boo
     alloc = config.empty if bound is None else torch.zeros
     parts = None if scale is None else alloc((col_blocks, m), dtype=torch.float32, device=pre.device)
     if m:
-        _swiglu_bwd_kernel[(triton.cdiv(m, block_r), col_blocks)](
+        launch.kernel(_swiglu_bwd_kernel)[(triton.cdiv(m, block_r), col_blocks)](
             pre, dh, dpre, h, m, f, pre.stride(0), dh.stride(0), dpre.stride(0),
             h.stride(0) if with_h else 0, h_cols or 0, scale, parts, None if bound is None else bound[-1:],
             **spec.constexprs(),

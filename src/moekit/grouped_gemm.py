@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from . import config
+from . import config, launch
 from ._kernels.grouped_gemm import _grouped_mm_ragged_k_kernel, _grouped_mm_ragged_m_kernel
 from ._kernels.hopper_modes import ColSum
 from .descriptors import TensorDescriptor, row_bounded, tma_ok, weight_descriptor
@@ -66,7 +66,7 @@ def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None, bias=None, g
         a_arg, b_arg, c_arg = a, b, out
     max_tiles = (triton.cdiv(m, bm) + e + 1) * triton.cdiv(n, bn)  # each group adds <= 1 partial row tile
     programs = min(config.num_sms(a.device) * cfg.programs_per_sm, max_tiles)
-    _grouped_mm_ragged_m_kernel[(programs,)](
+    launch.kernel(_grouped_mm_ragged_m_kernel)[(programs,)](
         a_arg, b_arg, c_arg, offs, bias, group_scale,
         m, n, k, e,
         a.stride(0), a.stride(1),
@@ -131,7 +131,7 @@ def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None, *, ones_row:
     else:
         a_arg, b_arg, c_arg = a, b, out
     programs = min(config.num_sms(a.device) * cfg.programs_per_sm, e * triton.cdiv(m, bm) * triton.cdiv(n, bn))
-    _grouped_mm_ragged_k_kernel[(programs,)](
+    launch.kernel(_grouped_mm_ragged_k_kernel)[(programs,)](
         a_arg, b_arg, c_arg, offs, sums,
         m, n, kt, e,
         a.stride(0), a.stride(1),

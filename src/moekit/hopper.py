@@ -12,7 +12,7 @@ import functools
 import torch
 import triton
 
-from . import config
+from . import config, launch
 from ._kernels.hopper_modes import ColSum, Epilogue
 from .descriptors import row_bounded, tma_ok, weight_descriptor
 from .validation import ALIGN
@@ -90,7 +90,7 @@ def ws_rows_setup(a, b, offs, c, out2, *, box_n: int, zero_tail: bool = True):
     b_desc = weight_descriptor(b, bk, box_n, make=ws_desc)
     max_row_tiles = triton.cdiv(m, bm) + e
     table = torch.empty(4 * (max_row_tiles + 1), dtype=torch.int32, device=a.device)
-    hk._tile_table_kernel[(max(triton.cdiv(max_row_tiles, 32), 8),)](
+    launch.kernel(hk._tile_table_kernel)[(max(triton.cdiv(max_row_tiles, 32), 8),)](
         offs, table, c, out2, m, c.shape[1], out2.shape[1] if out2 is not c else 0, e,
         c.stride(0), out2.stride(0), max_row_tiles,
         BLOCK_M=bm, BLOCK_E=triton.next_power_of_2(e + 1), BLOCK_T=32, BLOCK_Z=32, ZERO_TAIL=zero_tail, num_warps=4,
@@ -118,7 +118,7 @@ def ws_gemm(a, b, offs, c, *, epilogue: Epilogue = Epilogue.PLAIN, bias=None, ou
     # aux as int32 words of bf16 pairs
     c_arg = c.view(torch.int32) if epilogue == Epilogue.SWIGLU else c
     c_desc = ws_desc(c, [m, c.shape[1]], [c.stride(0), 1], [bm // 2, bn])
-    hk._grouped_mm_ws_kernel[(programs,)](
+    launch.kernel(hk._grouped_mm_ws_kernel)[(programs,)](
         a_desc, b_desc, c_desc,
         c_arg, c_arg.stride(0), out2, out2.stride(0),
         bias if bias is not None else c, bias.stride(0) if bias is not None else 0, table, c,
@@ -156,7 +156,7 @@ def ws_dswiglu(a, b, offs, aux, d_aux, h, spec, *, scale=None, zero_tail: bool =
     # one partial row sum per column tile, added up below; rows past offs[-1] are in no tile
     parts = None if scale is None else torch.zeros(tiles_n, m, dtype=torch.float32, device=a.device)
     aux_w, d_aux_w = aux.view(torch.int32), d_aux.view(torch.int32)
-    hd._grouped_mm_ws_dswiglu_kernel[(programs,)](
+    launch.kernel(hd._grouped_mm_ws_dswiglu_kernel)[(programs,)](
         a_desc, b_desc, aux_w, aux_w.stride(0), d_aux_w, d_aux_w.stride(0), h, h.stride(0),
         scale if scale is not None else h, parts if parts is not None else h,
         table, m, n, h.shape[1], k, BLOCK_N=bn, HAS_SCALE=scale is not None, ONES_COL=h.shape[1] > n,
@@ -195,7 +195,7 @@ def ws_swiglu_nvfp4(a, b, offs, values, scales, gscale, *, bias=None, spec=None)
     a_desc, b_desc, table, programs = ws_rows_setup(a, b, offs, values, scales, box_n=bn)
     staging = _staging_tile(a.device)
     c_desc = ws_desc(staging, list(staging.shape), [staging.stride(0), 1], [bm // 2, bn])
-    hk._grouped_mm_ws_kernel[(programs,)](
+    launch.kernel(hk._grouped_mm_ws_kernel)[(programs,)](
         a_desc, b_desc, c_desc,
         values, values.stride(0), scales, scales.stride(0),
         bias if bias is not None else values, bias.stride(0) if bias is not None else 0, table, gscale,
@@ -230,7 +230,7 @@ def ws_ragged_k(a, b, offs, out, colsum, mode: ColSum):
     b_desc = row_bounded(b, [bk, bn], ws_desc)
     c_desc = ws_desc(out, list(out.shape), [out.stride(0), out.stride(1), 1], [1, bm // 2, bn])
     programs = min(config.num_sms(a.device), e * triton.cdiv(m, bm) * triton.cdiv(n, bn))
-    hk._grouped_mm_ws_ragged_k_kernel[(programs,)](
+    launch.kernel(hk._grouped_mm_ws_ragged_k_kernel)[(programs,)](
         a_desc, ones_desc, b_desc, c_desc,
         colsum if colsum is not None else out, colsum.stride(0) if colsum is not None else 0,
         offs, m, n, kt, e,

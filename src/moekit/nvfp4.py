@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from . import config
+from . import config, launch
 from ._kernels.nvfp4 import (
     _amax_kernel,
     _dequantize_kernel,
@@ -465,8 +465,10 @@ def global_scale_fwd(x3: torch.Tensor) -> torch.Tensor:
     if groups == 0:
         return gscale
     partial = config.empty((groups, programs), dtype=torch.float32, device=x3.device)
-    _amax_kernel[(programs, groups)](x3, partial, r, k, *x3.stride(), BLOCK_R=bm, BLOCK_K=bk, num_warps=4)
-    _global_scale_kernel[(groups,)](partial, gscale, programs, BLOCK_P=min(1024, triton.next_power_of_2(programs)))
+    launch.kernel(_amax_kernel)[(programs, groups)](x3, partial, r, k, *x3.stride(), BLOCK_R=bm, BLOCK_K=bk,
+                                                   num_warps=4)
+    launch.kernel(_global_scale_kernel)[(groups,)](partial, gscale, programs,
+                                                   BLOCK_P=min(1024, triton.next_power_of_2(programs)))
     return gscale
 
 
@@ -502,14 +504,14 @@ def quantize_fwd(x3: torch.Tensor, gscale: torch.Tensor, per_group: bool, block_
         else:  # persistent along the rows of each column tile
             grid = (max(1, min(triton.cdiv(r, bm), sms * QUANTIZE_PROGRAMS_PER_SM // (tiles_k * groups))), tiles_k,
                     groups)
-        _quantize_rows_kernel[grid](
+        launch.kernel(_quantize_rows_kernel)[grid](
             x3, values, scales, gscale, r, k, *x3.stride(), int(per_group),
             BLOCK_M=bm, NB=nb, TPW_B=nb, WORDS=words,
             num_warps=warps,
         )
         return values, scales
     bm, bk = _tile(k)
-    _quantize_kernel[(triton.cdiv(r, bm), triton.cdiv(k, bk), groups)](
+    launch.kernel(_quantize_kernel)[(triton.cdiv(r, bm), triton.cdiv(k, bk), groups)](
         x3, values, scales, gscale,
         r, k, *x3.stride(),
         int(per_group),
@@ -530,7 +532,7 @@ def dequantize_fwd(v3: torch.Tensor, s3: torch.Tensor, gscale: torch.Tensor, per
     if out.numel() == 0:
         return out
     bm, bk = _tile(k)
-    _dequantize_kernel[(triton.cdiv(r, bm), triton.cdiv(k, bk), groups)](
+    launch.kernel(_dequantize_kernel)[(triton.cdiv(r, bm), triton.cdiv(k, bk), groups)](
         v3, s3, gscale, out,
         r, k,
         *v3.stride(), *s3.stride(),
@@ -548,7 +550,7 @@ def to_blocked_fwd(s3: torch.Tensor) -> torch.Tensor:
     out = config.empty((e, blocked_size(rows, cols)), dtype=torch.uint8, device=s3.device)
     if out.numel():
         bt = _tiles_per_program(tiles_per_row)
-        _to_blocked_kernel[(triton.cdiv(rows, TILE_ROWS), triton.cdiv(tiles_per_row, bt), e)](
+        launch.kernel(_to_blocked_kernel)[(triton.cdiv(rows, TILE_ROWS), triton.cdiv(tiles_per_row, bt), e)](
             s3, out, rows, cols, *s3.stride(), tiles_per_row, BLOCK_T=bt, num_warps=4
         )
     return out
@@ -564,7 +566,7 @@ def to_blocked_ragged_fwd(scales: torch.Tensor, offs: torch.Tensor) -> torch.Ten
     out = config.empty((row_tiles * tiles_per_row * TILE_ROWS * TILE_COLS,), dtype=torch.uint8, device=scales.device)
     if out.numel():
         bt = _tiles_per_program(tiles_per_row)
-        _to_blocked_ragged_kernel[(row_tiles, triton.cdiv(tiles_per_row, bt))](
+        launch.kernel(_to_blocked_ragged_kernel)[(row_tiles, triton.cdiv(tiles_per_row, bt))](
             scales, offs, out,
             m, cols, e, *scales.stride(), tiles_per_row,
             BLOCK_T=bt, BLOCK_E=triton.next_power_of_2(max(e, 1)),

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import config
+from . import config, launch
 from ._kernels.nvfp4_gemm import _grouped_mm_nvfp4_kernel
 from .grouped_gemm import _ragged_m, grouped_mm
 from .nvfp4 import BLOCK, _run, dequantize, dequantize_fwd, e2m1_values_ref, unpack_ref
@@ -300,12 +300,13 @@ def _ws_mm(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out
     ws = w_scales.view(torch.uint8).reshape(e * n, k // BLOCK).view(torch.int32)
     max_row_tiles = triton.cdiv(m, bm) + e
     table = torch.empty(4 * (max_row_tiles + 1), dtype=torch.int32, device=a_values.device)
-    hk._tile_table_kernel[(max(triton.cdiv(max_row_tiles, 32), 8),)](  # also zeroes the rows past offs[-1]
+    # (the tile table's kernel also zeroes the rows past offs[-1])
+    launch.kernel(hk._tile_table_kernel)[(max(triton.cdiv(max_row_tiles, 32), 8),)](
         offs, table, out, out, m, n, 0, e, out.stride(0), out.stride(0), max_row_tiles,
         BLOCK_M=bm, BLOCK_E=triton.next_power_of_2(e + 1), BLOCK_T=32, BLOCK_Z=32, ZERO_TAIL=True, num_warps=4,
     )
     programs = config.num_sms(a_values.device) * cfg.programs_per_sm
-    _grouped_mm_nvfp4_ws_kernel[(min(programs, max_row_tiles * triton.cdiv(n, 128)),)](
+    launch.kernel(_grouped_mm_nvfp4_ws_kernel)[(min(programs, max_row_tiles * triton.cdiv(n, 128)),)](
         a_desc, w_desc, ws, a_global, w_global, w_global.stride(0), out, out.stride(0), table, n, k,
         NUM_PROGRAMS=programs, GROUP_M=1, STAGES=cfg.num_stages, CHUNKS=cfg.block_k // 64,
         REGS=cfg.max_registers, num_warps=4, maxnreg=cfg.max_registers,
@@ -352,7 +353,7 @@ def grouped_mm_nvfp4_fwd(
     else:
         av, asc = a_values.view(torch.uint8), a_scales.view(torch.uint8)
     wv, wsc = w_values.view(torch.uint8), w_scales.view(torch.uint8)
-    _grouped_mm_nvfp4_kernel[(programs,)](
+    launch.kernel(_grouped_mm_nvfp4_kernel)[(programs,)](
         av, asc, a_global,
         wv, wsc, w_global,
         out, offs,

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from . import config
+from . import config, launch
 from ._kernels.nvfp4_swiglu import _grouped_mm_swiglu_nvfp4_kernel, _swiglu_quantize_kernel
 from .descriptors import TensorDescriptor, weight_descriptor
 from .epilogue import SwiGLU, swiglu_torch
@@ -170,7 +170,7 @@ def swiglu_quantize_nvfp4_fwd(pre: torch.Tensor, gscale: torch.Tensor, alpha: fl
         tiles_f = triton.cdiv(f, 16 * nb)
         row_programs = max(1, min(triton.cdiv(m, bm), config.num_sms(pre.device)
                                   * SWIGLU_QUANTIZE_PROGRAMS_PER_SM[words] // tiles_f))
-        _swiglu_quantize_rows_kernel[(row_programs, tiles_f)](
+        launch.kernel(_swiglu_quantize_rows_kernel)[(row_programs, tiles_f)](
             pre, values, scales, gscale, m, f, pre.stride(0),
             **_swiglu_constexprs(alpha, limit, linear_offset, layout),
             BLOCK_M=bm, NB=nb, TPW_B=nb, num_warps=warps,
@@ -178,7 +178,7 @@ def swiglu_quantize_nvfp4_fwd(pre: torch.Tensor, gscale: torch.Tensor, alpha: fl
         return values, scales
     bm, bf = (16, 32) if config.is_interpreting() else (32, 128)
     bf = min(bf, max(BLOCK, triton.next_power_of_2(f)))
-    _swiglu_quantize_kernel[(triton.cdiv(m, bm), triton.cdiv(f, bf))](
+    launch.kernel(_swiglu_quantize_kernel)[(triton.cdiv(m, bm), triton.cdiv(f, bf))](
         pre, values, scales, gscale,
         m, f, pre.stride(0),
         **_swiglu_constexprs(alpha, limit, linear_offset, layout),
@@ -218,7 +218,7 @@ def grouped_mm_swiglu_nvfp4_fwd(x, w, offs, bias, gscale, alpha, limit, linear_o
     else:
         a_arg, b_arg, tma = x, w, False
     tiles = (triton.cdiv(m, bm) + e + 1) * triton.cdiv(f, bf)
-    _grouped_mm_swiglu_nvfp4_kernel[(min(config.num_sms(x.device) * cfg.programs_per_sm, tiles),)](
+    launch.kernel(_grouped_mm_swiglu_nvfp4_kernel)[(min(config.num_sms(x.device) * cfg.programs_per_sm, tiles),)](
         a_arg, b_arg, values, scales, offs, bias, gscale,
         m, f, d, e,
         x.stride(0), x.stride(1),

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from . import config
+from . import config, launch
 from ._kernels.routing import (
     _combine_bwd_kernel,
     _combine_kernel,
@@ -135,16 +135,16 @@ def routing_metadata_fwd(experts: torch.Tensor, num_experts: int):
     blocks = triton.cdiv(r, _BLOCK)
     block_e = triton.next_power_of_2(num_experts)
     block_counts = config.empty((blocks, num_experts), dtype=torch.int32, device=dev)
-    _route_histogram_kernel[(blocks,)](flat, block_counts, r, num_experts, BLOCK=_BLOCK, BLOCK_E=block_e)
+    launch.kernel(_route_histogram_kernel)[(blocks,)](flat, block_counts, r, num_experts, BLOCK=_BLOCK, BLOCK_E=block_e)
     counts = config.empty((num_experts,), dtype=torch.int32, device=dev)
     offs = config.empty((num_experts,), dtype=torch.int32, device=dev)
     block_base = config.empty((blocks, num_experts), dtype=torch.int32, device=dev)
     block_c = min(8, block_e)  # experts per scan program
     block_b = 16 if config.is_interpreting() else 4096 // block_c  # (the tests' tables loop too)
-    _route_scan_kernel[(triton.cdiv(num_experts, block_c),)](
+    launch.kernel(_route_scan_kernel)[(triton.cdiv(num_experts, block_c),)](
         block_counts, counts, block_base, blocks, num_experts, BLOCK_B=block_b, BLOCK_C=block_c
     )
-    _route_scatter_kernel[(blocks,)](
+    launch.kernel(_route_scatter_kernel)[(blocks,)](
         flat, counts, offs, block_base, row_of, token_idx, r, num_experts, k, BLOCK=_BLOCK, BLOCK_E=block_e
     )
     return counts, offs, token_idx, row_of
@@ -163,7 +163,7 @@ def router_topk_fwd(key: torch.Tensor, scores: torch.Tensor, top_k: int, renorma
     if t:
         block_e = triton.next_power_of_2(e)
         block_t = max(1, min(64, 4096 // block_e))
-        _router_topk_kernel[(triton.cdiv(t, block_t),)](
+        launch.kernel(_router_topk_kernel)[(triton.cdiv(t, block_t),)](
             key, scores, weights, experts, t, e, key.stride(0), scores.stride(0), K=top_k, RENORM=renormalize,
             BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
         )
@@ -181,7 +181,7 @@ def topk_weights_grad_fwd(dw: torch.Tensor, scores: torch.Tensor, experts: torch
     if t:
         block_e, block_k = triton.next_power_of_2(e), triton.next_power_of_2(k)
         block_t = max(1, min(32, 8192 // (block_e * block_k)))
-        _topk_weights_grad_kernel[(triton.cdiv(t, block_t),)](
+        launch.kernel(_topk_weights_grad_kernel)[(triton.cdiv(t, block_t),)](
             dw.float().contiguous(), scores, experts.contiguous(), ds, t, e, scores.stride(0), K=k,
             RENORM=renormalize, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k,
         )
@@ -194,8 +194,8 @@ def scatter_weights_fwd(weights: torch.Tensor, row_of: torch.Tensor) -> torch.Te
     n = weights.numel()
     out = config.empty((n,), dtype=torch.float32, device=weights.device)
     if n:
-        _scatter_weights_kernel[(triton.cdiv(n, 1024),)](weights.contiguous(), row_of.contiguous(), out, n,
-                                                         BLOCK=1024)
+        launch.kernel(_scatter_weights_kernel)[(triton.cdiv(n, 1024),)](
+            weights.contiguous(), row_of.contiguous(), out, n, BLOCK=1024)
     return out
 
 
@@ -208,7 +208,7 @@ def gather_rows_with_ones(x: torch.Tensor, token_idx: torch.Tensor) -> torch.Ten
     out = config.empty((r, cols), dtype=x.dtype, device=x.device)
     if r:
         br, bd = (4, 32) if config.is_interpreting() else (8, 256)
-        _gather_rows_ones_kernel[(triton.cdiv(r, br), triton.cdiv(cols, bd))](
+        launch.kernel(_gather_rows_ones_kernel)[(triton.cdiv(r, br), triton.cdiv(cols, bd))](
             x, token_idx, out, r, d, cols, x.stride(0), out.stride(0), BLOCK_R=br, BLOCK_D=bd
         )
     return out[:, : d + 1]
@@ -224,7 +224,7 @@ def combine_fwd(y, weights, row_of):
     out = config.empty((t, d), dtype=y.dtype, device=y.device)
     if out.numel():
         bt, bd = _combine_blocks()
-        _combine_kernel[(triton.cdiv(t, bt), triton.cdiv(d, bd))](
+        launch.kernel(_combine_kernel)[(triton.cdiv(t, bt), triton.cdiv(d, bd))](
             y, weights, row_of, out, t, d, y.stride(0), out.stride(0), K=k, BLOCK_T=bt, BLOCK_D=bd
         )
     return out
@@ -241,7 +241,7 @@ def combine_bwd(dout, y, weights, row_of, need_weights: bool, rows: int | None =
     dw = config.empty((t, k), dtype=torch.float32, device=dout.device) if need_weights else None
     if t:
         bt, bd = _combine_blocks()
-        _combine_bwd_kernel[(triton.cdiv(t, bt),)](
+        launch.kernel(_combine_bwd_kernel)[(triton.cdiv(t, bt),)](
             dout, y, weights, row_of, dy, dw, t, d, dout.stride(0), y.stride(0) if y is not None else 0,
             dy.stride(0), K=k, BLOCK_T=bt, BLOCK_D=bd,
         )
@@ -531,7 +531,7 @@ def _split_bf16(w: torch.Tensor) -> torch.Tensor:
     out = config.empty((2 * w.shape[0], w.shape[1]), dtype=torch.bfloat16, device=w.device)
     n = w.numel()
     if n:
-        _split_bf16_kernel[(triton.cdiv(n, 1024),)](w, out, n, BLOCK=1024)
+        launch.kernel(_split_bf16_kernel)[(triton.cdiv(n, 1024),)](w, out, n, BLOCK=1024)
     return out
 
 
