@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU workflow in one command: the GPU test suite, then the benchmarks, with logs and tables in $OUT.
-#   bash benchmarks/run_gpu.sh [tests] [bench] [moe] [experts] [grouped_mm] [sweep] [profile] [sanitize] [kernels] [ep]
+#   bash benchmarks/run_gpu.sh [tests] [bench] [moe] [tokens] [experts] [grouped_mm] [sweep] [host] [profile]
+#                              [sanitize] [kernels] [ep]
 #     (default: tests bench)
-#   tests:   python -m pytest -m gpu
+#   tests:   python -m pytest -m gpu (the test paths in $TESTS, default tests)
 #   bench:   python -m moekit bench (all three tables and their plots)
 #   moe / experts / grouped_mm: one table alone (moe adds the bench arguments in $MOE_ARGS, such as
 #       "--shape qwen3-30b-a3b"); sweep: the grouped-GEMM config sweep;
@@ -50,9 +51,11 @@ run_bench() { python3 -m moekit bench --out "$OUT" "$@" 2>&1 | grep --line-buffe
 for step in $steps; do
   echo "=== $step ==="
   case $step in
-    tests) python3 -m pytest -m gpu -q -x tests 2>&1 | tee "$OUT/pytest.log" | tail -15 ;;
+    tests) python3 -m pytest -m gpu -q -x ${TESTS:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -15 ;;
     bench) run_bench "${sonic[@]}" | tee "$OUT/bench.log" ;;
     moe) run_bench --only moe "${sonic[@]}" ${MOE_ARGS:-} | tee "$OUT/moe.log" ;;
+    tokens) run_bench --only sweep ${TOKENS_ARGS:-} | tee "$OUT/tokens.log" ;;
+    host) python3 probes/host_step.py ${HOST_ARGS:-} 2>&1 | tee "$OUT/host.log" ;;
     experts|grouped_mm) run_bench --only "$step" | tee "$OUT/$step.log" ;;
     sweep) python3 benchmarks/sweep_grouped_mm.py ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.md" ;;
     sanitize) bash benchmarks/sanitize.sh 2>&1 | tee "$OUT/sanitize.log" ;;

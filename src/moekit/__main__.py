@@ -1,7 +1,9 @@
 """``python -m moekit bench | info``.
 
 bench: on a GPU, (1) the MoE block on seven real models' shapes against the torchtitan-style block,
-a dense matmul of the same FLOPs and, with ``--sonicmoe``, SonicMoE; (2) the fused gpt-oss expert MLP
+a dense matmul of the same FLOPs and, with ``--sonicmoe``, SonicMoE; (1b) the block's token-count sweep
+(T = 1k-16k: eager, host, CUDA-graph and torch.compile steps against the torchtitan-style block's eager
+step, ``bench/sweep.py``); (2) the fused gpt-oss expert MLP
 against the torchtitan-style experts; (3) the grouped GEMM against torch._grouped_mm and a dense
 matmul. On a CPU, the same tables for a small configuration through the pure-PyTorch reference,
 without speed ratios. Prints the tables and writes them, with plots, to ``--out`` (default bench/out).
@@ -79,6 +81,15 @@ def _bench(args) -> None:
             written.append(png)
         except ImportError:
             pass
+    if on_gpu and args.only in (None, "sweep"):
+        from .bench import sweep
+
+        md, png = os.path.join(args.out, "sweep.md"), os.path.join(args.out, "sweep.png")
+        tokens = [int(t) for t in args.sweep_tokens.split(",")] if args.sweep_tokens else sweep.TOKENS
+        modes = () if args.no_compile else ("default", "reduce-overhead")
+        print(sweep.main(pick(BLOCK_SHAPES, list(BLOCK_SHAPES)), tokens, compile_modes=modes, out_md=md, out_png=png,
+                         progress=_progress("sweep")), "\n")
+        written += [md] + ([png] if os.path.exists(png) else [])
     if args.only in (None, "grouped_mm"):
         md = os.path.join(args.out, "grouped_mm.md")
         png = os.path.join(args.out, "grouped_mm.png")
@@ -123,7 +134,11 @@ def main(argv=None) -> None:
     bench.add_argument("--shape", action="append", help="a shape name (repeatable); default: each table's own")
     bench.add_argument("--tokens", type=int, help="tokens per rank T (default: the shape's, 24576)")
     bench.add_argument("--out", default=os.path.join("bench", "out"), help="folder for the tables and plot")
-    bench.add_argument("--only", choices=["moe", "experts", "grouped_mm"], help="run one of the tables")
+    bench.add_argument("--only", choices=["moe", "sweep", "experts", "grouped_mm"], help="run one of the tables")
+    bench.add_argument("--sweep-tokens", help="the token-count sweep's T values, comma-separated "
+                       "(default 1024,2048,4096,8192,16384; GPU only)")
+    bench.add_argument("--no-compile", action="store_true",
+                       help="leave torch.compile's two modes out of the token-count sweep")
     bench.add_argument("--sonicmoe", action="store_true",
                        help="also time SonicMoE's block (in a child process per shape; needs the sonic-moe package)")
     bench.add_argument("--sonic-timeout", type=float, default=300.0, help="seconds per SonicMoE shape (default 300)")
