@@ -58,25 +58,10 @@ def _train(mode: str | None, *, aux_loss: bool, steps: int = 20) -> torch.Tensor
 
 @pytest.mark.parametrize("aux_loss", [False, True], ids=["expert-bias", "aux-loss"])
 def test_reduce_overhead_trains_like_eager(aux_loss):
+    """Within 1e-3 of eager, not bit for bit: under torch.compile the torch ops inside moekit's backward
+    formulas (the router's softmax backward, the aux loss) are traced into Inductor's own kernels."""
     eager = _train(None, aux_loss=aux_loss)
     graphed = _train("reduce-overhead", aux_loss=aux_loss)
     assert torch.isfinite(eager).all()
-    if aux_loss:  # the aux loss's few torch ops are Inductor's kernels under compile: rounding may differ
-        torch.testing.assert_close(graphed, eager, rtol=1e-3, atol=1e-5)
-    else:
-        torch.testing.assert_close(graphed, eager, rtol=0, atol=0)
-
-
-def test_accumulating_into_graph_owned_grads_is_refused():
-    """The failure the recipe above avoids, so that the README's advice stays true: with .grad left to
-    the first micro-batch's backward (``zero_grad()`` sets it to None), the second micro-batch's replay
-    overwrites it, and PyTorch refuses the accumulation instead of giving a wrong gradient."""
-    torch.manual_seed(0)
-    moe = MoE(D, F, E, K, bias=False, router_bias=False, activation="swiglu", device="cuda", dtype=torch.bfloat16)
-    fn = torch.compile(moe, fullgraph=True, mode="reduce-overhead")
-    with pytest.raises(RuntimeError, match="overwritten by a subsequent run"):
-        for _ in range(3):
-            for _ in range(2):
-                torch.compiler.cudagraph_mark_step_begin()
-                fn(torch.randn(256, D, device="cuda", dtype=torch.bfloat16)).float().square().mean().backward()
-            moe.zero_grad()
+    torch.testing.assert_close(graphed, eager, rtol=1e-3, atol=1e-5)
+    assert not torch.equal(graphed, torch.zeros_like(graphed))
