@@ -86,7 +86,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .layers import GroupedExperts
+from .layers import GroupedExperts, check_expert_args
 from .routing import (
     Routing,
     check_router_args,
@@ -344,6 +344,9 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"ExpertParallelMoE: num_experts ({num_experts}) must be divisible by the EP group's "
                              f"size ({self.world})")
         check_router_args("ExpertParallelMoE", num_experts, top_k, score_func)
+        check_expert_args("ExpertParallelMoE", dim, hidden_dim, num_experts, activation,
+                          experts_kw.get("gate_up_layout", "interleaved"),
+                          {k: v for k, v in experts_kw.items() if k not in ("gate_up_layout", "nvfp4")})
         if splits not in SPLITS:
             raise ValueError(f"ExpertParallelMoE: splits must be one of {SPLITS}, got {splits!r}")
         if not isinstance(chunks, int) or chunks < 1:
@@ -358,6 +361,14 @@ class ExpertParallelMoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(num_experts, device=device), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64, device=device),
                              persistent=False)
+        self.aux_loss = None
+
+    def reset_parameters(self) -> None:
+        """``expert_bias`` and ``tokens_per_expert`` back to zeros, as :meth:`moekit.MoE.reset_parameters`
+        (the router and the experts reset themselves)."""
+        with torch.no_grad():
+            self.expert_bias.zero_()
+            self.tokens_per_expert.zero_()
         self.aux_loss = None
 
     @classmethod

@@ -255,6 +255,8 @@ def grouped_mm(
     form = check_inputs(a, b, offs, out_dtype)
     if form == "3d3d":
         e, m, k = a.shape
+        if e == 0:  # an empty batch: (0, M, N), as torch.bmm and torch._grouped_mm give it
+            return torch.matmul(a, b).to(out_dtype or a.dtype)
         rows = torch.arange(1, e + 1, device=a.device, dtype=torch.int32) * m
         out = grouped_mm(a.reshape(e * m, k), b, rows, out_dtype=out_dtype)
         return out.view(e, m, b.shape[-1])

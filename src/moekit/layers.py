@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .epilogue import LAYOUTS
 from .experts import TAILS, grouped_mm_downproj, grouped_mm_swiglu
 from .nvfp4_train import NVFP4Training
 from .routing import check_router_args, combine, sorted_weights, topk_router
@@ -14,6 +15,37 @@ ACTIVATIONS = {
     "gpt-oss": dict(swiglu_alpha=1.702, swiglu_limit=7.0, swiglu_linear_offset=1.0),  # clamped, +1 on the linear half
     "swiglu": dict(swiglu_alpha=1.0, swiglu_limit=None, swiglu_linear_offset=0.0),  # silu(gate) * up
 }
+ROW_ALIGN = 8  # elements: the kernels read rows of D and F 16-bit elements at 16-byte alignment
+
+
+def check_expert_args(owner: str, dim, hidden_dim, num_experts, activation: str, gate_up_layout: str,
+                      swiglu: dict) -> dict:
+    """Check the experts' constructor arguments where the user passed them, and return the SwiGLU
+    keywords they resolve to. The same checks on every device, so that a module the CPU reference
+    accepts runs on the kernels too."""
+    for name, v in (("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{owner}: {name} must be an int >= 1, got {v!r}")
+    for name, v in (("dim", dim), ("hidden_dim", hidden_dim)):
+        if v % ROW_ALIGN:
+            raise ValueError(f"{owner}: {name} must be a multiple of {ROW_ALIGN}, got {v}: the expert kernels "
+                             f"read rows of {name} 16-bit elements at 16-byte alignment")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{owner}: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    unknown = set(swiglu) - set(ACTIVATIONS["swiglu"])
+    if unknown:
+        raise TypeError(f"{owner}: unknown keyword(s) {sorted(unknown)}")
+    resolved = {**ACTIVATIONS[activation], **swiglu}
+    if gate_up_layout not in LAYOUTS:
+        raise ValueError(f"{owner}: gate_up_layout must be one of {LAYOUTS}, got {gate_up_layout!r}")
+    limit = resolved["swiglu_limit"]
+    if limit is not None and not limit > 0:
+        raise ValueError(f"{owner}: swiglu_limit must be positive or None, got {limit!r}")
+    for name in ("swiglu_alpha", "swiglu_linear_offset"):
+        v = resolved[name]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+            raise ValueError(f"{owner}: {name} must be a finite number, got {v!r}")
+    return {**resolved, "gate_up_layout": gate_up_layout}
 
 
 class GroupedExperts(nn.Module):
@@ -59,15 +91,10 @@ class GroupedExperts(nn.Module):
         **swiglu,
     ):
         super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"{type(self).__name__}: activation must be one of {sorted(ACTIVATIONS)}, "
-                             f"got {activation!r}")
-        unknown = set(swiglu) - set(ACTIVATIONS["swiglu"])
-        if unknown:
-            raise TypeError(f"{type(self).__name__}: unknown keyword(s) {sorted(unknown)}")
+        self.swiglu = check_expert_args(type(self).__name__, dim, hidden_dim, num_experts, activation, gate_up_layout,
+                                        swiglu)
         kw = dict(device=device, dtype=dtype)
         self.num_experts, self.dim, self.hidden_dim = num_experts, dim, hidden_dim
-        self.swiglu = {**ACTIVATIONS[activation], **swiglu, "gate_up_layout": gate_up_layout}
         self.mlp1_weight_EGD = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim, **kw))
         self.mlp2_weight_EDF = nn.Parameter(torch.empty(num_experts, dim, hidden_dim, **kw))
         if bias:
@@ -80,9 +107,15 @@ class GroupedExperts(nn.Module):
         self.nvfp4 = NVFP4Training.build(nvfp4, device)
 
     def reset_parameters(self, init_std: float = 0.02) -> None:
+        """Every parameter from a truncated normal of std ``init_std`` (a meta-device build, materialized
+        with ``to_empty``, is initialized by this; the NVFP4 state resets itself)."""
         for p in (self.mlp1_weight_EGD, self.mlp2_weight_EDF, self.mlp1_bias_EG, self.mlp2_bias_ED):
             if p is not None:
                 nn.init.trunc_normal_(p, mean=0.0, std=init_std)
+
+    def init_weights(self, init_std: float = 0.02) -> None:
+        """torchtitan's name for :meth:`reset_parameters` (its ``MoE.init_weights`` calls it on the experts)."""
+        self.reset_parameters(init_std)
 
     def forward(
         self,
@@ -170,6 +203,9 @@ class MoE(nn.Module):
     ):
         super().__init__()
         check_router_args("MoE", num_experts, top_k, score_func)
+        check_expert_args("MoE", dim, hidden_dim, num_experts, activation,
+                          experts_kw.get("gate_up_layout", "interleaved"),
+                          {k: v for k, v in experts_kw.items() if k not in ("gate_up_layout", "nvfp4")})
         self.top_k, self.score_func, self.renormalize, self.use_aux_loss = top_k, score_func, renormalize, aux_loss
         self.router = nn.Linear(dim, num_experts, bias=router_bias, device=device, dtype=torch.float32)
         self.experts = GroupedExperts(dim, hidden_dim, num_experts, bias=bias, activation=activation,
@@ -178,6 +214,14 @@ class MoE(nn.Module):
         # routed counts: int64, exact, and untouched by a cast of the module's floating-point tensors
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64, device=device),
                              persistent=False)
+        self.aux_loss = None
+
+    def reset_parameters(self) -> None:
+        """The block's own state: ``expert_bias`` and ``tokens_per_expert`` back to zeros (the router and
+        the experts reset themselves). A meta-device build needs it after ``to_empty``."""
+        with torch.no_grad():
+            self.expert_bias.zero_()
+            self.tokens_per_expert.zero_()
         self.aux_loss = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -205,4 +249,4 @@ class MoE(nn.Module):
         self.tokens_per_expert.zero_()
 
 
-__all__ = ["ACTIVATIONS", "GptOssExperts", "GroupedExperts", "MoE"]
+__all__ = ["ACTIVATIONS", "GptOssExperts", "GroupedExperts", "MoE", "check_expert_args"]

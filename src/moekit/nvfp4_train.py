@@ -235,6 +235,13 @@ class NVFP4Training(nn.Module):
         self.stream = RandomStream(seed)
         self.register_buffer("signs", random_signs(seed, device=device), persistent=False)
 
+    def reset_parameters(self) -> None:
+        """The Hadamard signs again from the recipe's seed, and the rounding stream from its start (a
+        meta-device build needs it after ``to_empty``: the signs are a buffer no checkpoint holds)."""
+        with torch.no_grad():
+            self.signs.copy_(random_signs(self.recipe.seed, device=self.signs.device))
+        self.stream = RandomStream(self.recipe.seed)
+
     @staticmethod
     def build(nvfp4_arg, device=None) -> NVFP4Training | None:
         """``GroupedExperts(nvfp4=...)``: None / False -> None, True -> the default recipe, a recipe."""
