@@ -56,6 +56,10 @@ BLOCK_SHAPES = {
     )
 }
 
+# The head line of every CPU table.
+CPU_NOTE = ("CPU: moekit runs its pure-PyTorch reference here (the Triton kernels run on a GPU, or slowly on Triton's "
+            "CPU interpreter with TRITON_INTERPRET=1).")
+
 # A CPU-sized configuration for the reference path.
 CPU_SHAPES = {"tiny-cpu": MoEShape("tiny-cpu", 256, 256, 8, 2, tokens=512)}
 

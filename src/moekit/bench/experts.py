@@ -15,7 +15,7 @@ import torch
 
 from ..layers import GptOssExperts
 from ..testing import rel_errors, routed_counts
-from . import MoEShape, environment, interleaved_ms, run_table
+from . import CPU_NOTE, MoEShape, environment, interleaved_ms, run_table
 from .baselines import TorchtitanExperts
 
 
@@ -95,7 +95,7 @@ def run_shape(shape: MoEShape, device) -> ExpertRow:
 
 def cpu_table(rows: list[ExpertRow]) -> str:
     """Without a GPU: the reference's and the baseline's times and their agreement, no speed ratios."""
-    out = [environment(), "", "CPU: moekit runs its pure-PyTorch reference here; the Triton kernels need a GPU.", "",
+    out = [environment(), "", CPU_NOTE, "",
            "| shape | impl | fwd ms | bwd ms | err vs torchtitan |", "|---|---|---|---|---|"]
     for r in rows:
         for impl, label in (("moekit", "moekit (reference)"), ("torchtitan", "torchtitan-style")):

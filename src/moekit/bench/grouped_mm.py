@@ -13,7 +13,7 @@ import torch
 
 from .. import grouped_mm
 from ..testing import offs_from_counts, rel_errors, routed_counts
-from . import CPU_SHAPES, SHAPES, MoEShape, copy_bandwidth_gbs, environment, geomean, interleaved_ms
+from . import CPU_NOTE, CPU_SHAPES, SHAPES, MoEShape, copy_bandwidth_gbs, environment, geomean, interleaved_ms
 
 OPS = ("fwd", "dgrad", "wgrad")
 
@@ -101,7 +101,7 @@ def run(
 def cpu_table(rows: list[Row]) -> str:
     """Markdown for a machine without a GPU: the reference's times and its agreement with
     torch._grouped_mm, with no speed ratios (CPU times of the reference say nothing of the kernels)."""
-    out = [environment(), "", "CPU: moekit runs its pure-PyTorch reference here; the Triton kernels need a GPU.", "",
+    out = [environment(), "", CPU_NOTE, "",
            "| shape | proj | routing | op | reference ms | err vs torch._grouped_mm |", "|---|---|---|---|---|---|"]
     out += [f"| {r.shape} | {r.proj} | {r.routing} | {r.op} | {r.ms['moekit']:.3f} | {r.err:.1e} |" for r in rows]
     return "\n".join(out)

@@ -17,7 +17,7 @@ import torch
 
 from ..layers import MoE
 from ..testing import rel_errors
-from . import MoEShape, environment, interleaved_ms, run_table, step_profile
+from . import CPU_NOTE, MoEShape, environment, interleaved_ms, run_table, step_profile
 from .baselines import TorchtitanMoE
 from .experts import _dense_calls, _saved_bytes
 from .sonic import sonicmoe_block_times
@@ -95,7 +95,7 @@ def _step(m: dict) -> float:
 
 def cpu_table(rows) -> str:
     """Without a GPU: the reference's and the baseline's times and their agreement, no speed ratios."""
-    out = [environment(), "", "CPU: moekit runs its pure-PyTorch reference here; the Triton kernels need a GPU.", "",
+    out = [environment(), "", CPU_NOTE, "",
            "| shape | config | impl | fwd ms | bwd ms | err vs torchtitan |", "|---|---|---|---|---|---|"]
     for r in rows:
         for impl, label in (("moekit", "moekit (reference)"), ("torchtitan", "torchtitan-style")):
