@@ -96,6 +96,7 @@ from .routing import (
     sorted_weights,
     topk_router,
 )
+from .validation import autocast
 
 SPLITS = ("device", "host")
 
@@ -472,7 +473,7 @@ class ExpertParallelMoE(nn.Module):
         shape = x.shape
         if shape[-1] != self.experts.dim:
             raise ValueError(f"ExpertParallelMoE: x (..., {self.experts.dim}), got {tuple(shape)}")
-        x2 = x.reshape(-1, shape[-1])
+        x2 = autocast(x).reshape(-1, shape[-1])
         r = topk_router(
             x2, self.router.weight, self.router.bias, top_k=self.top_k, score_func=self.score_func,
             renormalize=self.renormalize, expert_bias=self.expert_bias, aux_loss=self.use_aux_loss,

@@ -42,7 +42,7 @@ from .grouped_gemm import _grouped_mm_op, _op_mm, _ragged_k, _ragged_m, grouped_
 from .hopper import ws_dswiglu, ws_dswiglu_ok, ws_gemm, ws_ok
 from .reference import H_GRADIENT_ERROR, ROW_SCALE_ERROR, grouped_mm_downproj_ref, grouped_mm_swiglu_ref, swiglu_ref
 from .routing import _gather_bwd_op, _gather_op, gather_rows_with_ones
-from .validation import check_layout, matrix_ready, unit_columns
+from .validation import autocast, check_layout, matrix_ready, unit_columns
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -564,8 +564,9 @@ def grouped_mm_swiglu(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Up-projection with bias and SwiGLU fused: returns ``(h, aux)``.
 
-    x (M, D) bf16/fp16 rows sorted by expert; w_up (E, D, 2F), e.g. a ``(E, 2F, D)`` torchtitan weight
-    passed as ``w.mT`` (no copy); bias (E, 2F) or None; offs (E,) int32 cumulative row ends.
+    x (M, D) bf16/fp16 rows sorted by expert (under ``torch.autocast``, fp32 x and w_up run in the
+    autocast dtype); w_up (E, D, 2F), e.g. a ``(E, 2F, D)`` torchtitan weight passed as ``w.mT`` (no
+    copy); bias (E, 2F) or None; offs (E,) int32 cumulative row ends.
     ``aux`` = x @ w_up[g] + bias[g] (M, 2F) in x.dtype, ``h`` = SwiGLU(aux) (M, F); rows past
     offs[-1] are zero in both (``tail="unwritten"``: left unwritten there, and in the gradients the
     backward computes, for a caller that reads none of those rows, such as expert parallelism's fixed
@@ -589,6 +590,7 @@ def grouped_mm_swiglu(
     gradient that reaches ``h`` raises an error explaining this.
     """
     spec = SwiGLU(swiglu_alpha, swiglu_limit, swiglu_linear_offset, gate_up_layout)
+    x, w_up = autocast(x), autocast(w_up)
     _check_expert_inputs("grouped_mm_swiglu", x, w_up, offs, bias, w_up.shape[2])
     offs = offs.contiguous()  # the kernels read offs by position: a strided view becomes a copy
     if w_up.shape[2] % 2:
@@ -643,6 +645,7 @@ def grouped_mm_downproj(
     unwritten with ``tail="unwritten"`` (see :func:`grouped_mm_swiglu`).
     """
     spec = SwiGLU(swiglu_alpha, swiglu_limit, swiglu_linear_offset, gate_up_layout)
+    h, w_down = autocast(h), autocast(w_down)
     _check_expert_inputs("grouped_mm_downproj", h, w_down, offs, bias, w_down.shape[2])
     offs = offs.contiguous()  # the kernels read offs by position: a strided view becomes a copy
     aux = aux_biased_acc

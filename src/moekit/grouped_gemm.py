@@ -21,7 +21,7 @@ from .descriptors import TensorDescriptor, row_bounded, tma_ok, weight_descripto
 from .dispatch import custom_op
 from .hopper import WS_TILE, ws_gemm, ws_ragged_k, ws_rows_ragged
 from .reference import grouped_mm_ref
-from .validation import check_inputs, check_offs, matrix_ready
+from .validation import autocast, check_inputs, check_offs, matrix_ready
 
 # --------------------------------------------------------------------------------------------------
 # launchers
@@ -247,11 +247,14 @@ def grouped_mm(
     never read by the host; ``validate=True`` (or the ``debug`` option) checks that it is
     non-decreasing and in bounds, at the cost of a device sync.
 
+    Under ``torch.autocast``, float inputs run in the autocast dtype, as ``torch.matmul``'s do.
+
     Runs Triton kernels on CUDA (TMA + wgmma on Hopper) and under ``TRITON_INTERPRET=1``; otherwise
     the pure-PyTorch ``grouped_mm_ref``. On sm_90, bf16 problems with TMA-ready layouts take the
     warp-specialized Gluon kernels instead (the rows-ragged form from 128 rows per group on average,
     with K-major weights or K <= N); the ``warp_specialized`` option turns them off.
     """
+    a, b = autocast(a), autocast(b)
     form = check_inputs(a, b, offs, out_dtype)
     if form == "3d3d":
         e, m, k = a.shape

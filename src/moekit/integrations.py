@@ -21,6 +21,7 @@ from torch import nn
 from .experts import grouped_mm_downproj, grouped_mm_swiglu
 from .layers import ACTIVATIONS, GptOssExperts
 from .routing import combine, routing_metadata
+from .validation import autocast
 
 HF_EXPERTS_IMPLEMENTATION = "moekit"
 
@@ -74,7 +75,7 @@ def hf_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_ind
     nothing and cost no GEMM work (``routing_metadata`` drops them). No host sync."""
     if getattr(module, "has_gate", True) is False or getattr(module, "has_post_expert_norm", False):
         raise NotImplementedError("moekit: experts without a gate, or with a post-expert norm, are not supported")
-    x = hidden_states.reshape(-1, hidden_states.shape[-1])
+    x = autocast(hidden_states).reshape(-1, hidden_states.shape[-1])
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"moekit: the experts run in bf16 or fp16, got hidden states in {x.dtype}")
     kw = _hf_swiglu(module)
@@ -91,7 +92,7 @@ def hf_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_ind
     b_down = getattr(module, "down_proj_bias", None) if getattr(module, "has_bias", False) else None
     h, aux = grouped_mm_swiglu(x, w_up, offs, bias=b_up, token_idx=token_idx, row_of=row_of, **kw)
     ys = grouped_mm_downproj(h, w_down, offs, bias=b_down, aux_biased_acc=aux, **kw)
-    return combine(ys, weights, row_of).reshape(hidden_states.shape)
+    return combine(ys, weights, row_of).reshape(hidden_states.shape)  # (in x's dtype, the autocast one)
 
 
 def register_hf_experts() -> str:

@@ -9,7 +9,7 @@ from .epilogue import LAYOUTS
 from .experts import TAILS, grouped_mm_downproj, grouped_mm_swiglu
 from .nvfp4_train import NVFP4Training
 from .routing import check_router_args, combine, sorted_weights, topk_router
-from .validation import unit_columns
+from .validation import autocast, unit_columns
 
 ACTIVATIONS = {
     "gpt-oss": dict(swiglu_alpha=1.702, swiglu_limit=7.0, swiglu_linear_offset=1.0),  # clamped, +1 on the linear half
@@ -130,6 +130,7 @@ class GroupedExperts(nn.Module):
         if tail not in TAILS:  # (checked here too: the NVFP4 path below writes zeros whatever it says)
             raise ValueError(f"{type(self).__name__}: tail must be one of {TAILS}, got {tail!r}")
         offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32) if offs_E is None else offs_E
+        x_RD = autocast(x_RD)
         if self.nvfp4 is not None:
             return self.nvfp4.experts(self, x_RD, offs, token_idx_R, row_scale_R)
         if x_RD.dtype not in (torch.bfloat16, torch.float16):
@@ -181,7 +182,8 @@ class MoE(nn.Module):
       gpt-oss SwiGLU); ``bias=False, router_bias=False, activation="swiglu"`` is the Qwen3 / Mixtral /
       DeepSeek / OLMoE block.
 
-    ``forward(x)``: x (..., D) -> (..., D).
+    ``forward(x)``: x (..., D) bf16/fp16 -> (..., D) in x.dtype; under ``torch.autocast`` an fp32 x
+    (and fp32 expert weights) run in the autocast dtype, and the output is in it, as ``torch.matmul``'s.
     """
 
     def __init__(
@@ -226,7 +228,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = unit_columns(x.reshape(-1, shape[-1]))
+        x2 = unit_columns(autocast(x).reshape(-1, shape[-1]))
         r = topk_router(
             x2, self.router.weight, self.router.bias, top_k=self.top_k, score_func=self.score_func,
             renormalize=self.renormalize, expert_bias=self.expert_bias, aux_loss=self.use_aux_loss,

@@ -7,6 +7,20 @@ import torch
 
 IN_DTYPES = (torch.bfloat16, torch.float16)
 ALIGN = 16  # bytes: TMA base/stride alignment, and the contract torch._grouped_mm has too
+_AUTOCAST_FROM = (torch.float32, torch.bfloat16, torch.float16)  # what autocast casts for a matmul
+
+
+def autocast(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` in the dtype ``torch.autocast`` runs matmuls in on its device, as ``torch.matmul`` would take
+    it (float32, bfloat16 and float16 inputs are cast; others and ``None`` pass); ``t`` itself outside
+    autocast. The cast is differentiable, so fp32 parameters and inputs get fp32 gradients."""
+    if t is None:
+        return None
+    dev = t.device.type
+    if dev not in ("cuda", "cpu") or not torch.is_autocast_enabled(dev):
+        return t
+    dtype = torch.get_autocast_dtype(dev)
+    return t.to(dtype) if t.dtype in _AUTOCAST_FROM and t.dtype != dtype else t
 
 
 def check_layout(name: str, t: torch.Tensor) -> None:
