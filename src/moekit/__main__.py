@@ -54,7 +54,8 @@ def _bench(args) -> None:
     def pick(table: dict, default) -> list:
         """The shapes of one table: --shape's (taken from this table where it has them), else the default."""
         if not on_gpu and not args.shape:
-            return list(CPU_SHAPES.values())
+            shapes = list(CPU_SHAPES.values())
+            return [dataclasses.replace(s, tokens=args.tokens) for s in shapes] if args.tokens else shapes
         names = args.shape or default
         shapes = [table.get(n, known[n]) for n in names]
         return [dataclasses.replace(s, tokens=args.tokens) for s in shapes] if args.tokens else shapes
@@ -132,8 +133,9 @@ def main(argv=None) -> None:
     sub = parser.add_subparsers(dest="cmd", required=True)
     bench = sub.add_parser("bench", help="time moekit against its baselines and print a table")
     bench.add_argument("--shape", action="append", help="a shape name (repeatable); default: each table's own")
-    bench.add_argument("--tokens", type=int, help="tokens per rank T (default: the shape's, 24576)")
-    bench.add_argument("--out", default=os.path.join("bench", "out"), help="folder for the tables and plot")
+    bench.add_argument("--tokens", type=int, help="tokens per rank T (default: each shape's own)")
+    bench.add_argument("--out", default=os.path.join("bench", "out"),
+                       help="folder for the tables (and, on a GPU, their plots)")
     bench.add_argument("--only", choices=["moe", "sweep", "experts", "grouped_mm"], help="run one of the tables")
     bench.add_argument("--sweep-tokens", help="the token-count sweep's T values, comma-separated "
                        "(default 1024,2048,4096,8192,16384; GPU only)")

@@ -104,10 +104,17 @@ def host_us(fn, reps: int = 30) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def interleaved_ms(fns: dict, *, rounds: int = 3, rep_ms: float = 100, tolerate_errors: bool = False) -> dict:
+class Timings(dict):
+    """Median ms per entry (the dict), with ``spread[name] = (min, max)`` over the rounds' medians."""
+
+    spread: dict
+
+
+def interleaved_ms(fns: dict, *, rounds: int = 3, rep_ms: float = 100, tolerate_errors: bool = False) -> Timings:
     """Median ms per entry of ``fns`` over ``rounds`` rounds, the order rotating each round, so clock
-    drift and neighbours on a shared GPU weigh on every implementation alike. With
-    ``tolerate_errors``, an entry that raises reports nan (a baseline that cannot run a layout)."""
+    drift and neighbours on a shared GPU weigh on every implementation alike; ``.spread`` holds each
+    entry's lowest and highest round. With ``tolerate_errors``, an entry that raises reports nan (a
+    baseline that cannot run a layout)."""
     names = list(fns)
     samples = {n: [] for n in names}
     for r in range(rounds):
@@ -118,7 +125,14 @@ def interleaved_ms(fns: dict, *, rounds: int = 3, rep_ms: float = 100, tolerate_
                 if not tolerate_errors:
                     raise
                 samples[n].append(float("nan"))
-    return {n: sorted(v)[len(v) // 2] for n, v in samples.items()}
+    out = Timings({n: sorted(v)[len(v) // 2] for n, v in samples.items()})
+    out.spread = {n: (min(v), max(v)) for n, v in samples.items()}
+    return out
+
+
+def with_spread(ms: float, spread: tuple[float, float]) -> str:
+    """A table cell: the median and the range of the rounds, ``12.34 (11.90-13.02)``."""
+    return f"{ms:.2f} ({spread[0]:.2f}-{spread[1]:.2f})"
 
 
 def paired_ratios(fns: dict, base: str, *, rounds: int, warmup_ms: float = 5, rep_ms: float = 30) -> list[str]:
@@ -204,7 +218,7 @@ def environment() -> str:
 
     import triton
 
-    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
     return (
         f"{datetime.date.today().isoformat()} | {dev} | torch {torch.__version__} | triton {triton.__version__}"
         f" | CUDA {torch.version.cuda}"

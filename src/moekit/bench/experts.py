@@ -15,7 +15,7 @@ import torch
 
 from ..layers import GptOssExperts
 from ..testing import rel_errors, routed_counts
-from . import CPU_NOTE, MoEShape, environment, interleaved_ms, run_table
+from . import CPU_NOTE, MoEShape, environment, interleaved_ms, run_table, with_spread
 from .baselines import TorchtitanExperts
 
 
@@ -26,6 +26,8 @@ class ExpertRow:
     ms: dict  # (impl, "fwd" | "bwd") -> ms
     saved: dict  # impl -> bytes of saved activations
     err: float
+    spread: dict | None = None  # (impl, "fwd" | "step") -> (min, max) ms over the rounds
+    tokens: int = 0
 
     def tflops(self, impl: str, phase: str) -> float:
         flops = self.flops_fwd * (1 if phase == "fwd" else 2)
@@ -86,21 +88,25 @@ def run_shape(shape: MoEShape, device) -> ExpertRow:
         saved[name] = _saved_bytes(fwd)
     fns["dense", "fwd"], fns["dense", "bwd"] = _dense_calls(x.detach(), shape.d, shape.f, device)
     ms = interleaved_ms(fns)  # rounds with a rotating order: drift weighs on every implementation alike
+    spread = ms.spread
     for name in ("moekit", "torchtitan"):
         ms[name, "bwd"] = max(ms.pop((name, "step")) - ms[name, "fwd"], 1e-6)
     with torch.no_grad():
         err = rel_errors(ex(x, counts), base(x, counts))[1]
-    return ExpertRow(shape.name, 6.0 * rows * shape.d * shape.f, ms, saved, err)
+    return ExpertRow(shape.name, 6.0 * rows * shape.d * shape.f, ms, saved, err, spread, shape.tokens)
 
 
 def cpu_table(rows: list[ExpertRow]) -> str:
     """Without a GPU: the reference's and the baseline's times and their agreement, no speed ratios."""
-    out = [environment(), "", CPU_NOTE, "",
-           "| shape | impl | fwd ms | bwd ms | err vs torchtitan |", "|---|---|---|---|---|"]
+    out = [environment(), "", CPU_NOTE, "Medians of 3 rounds (their range in brackets).", "",
+           "| shape | T | impl | fwd ms | fwd+bwd ms | err vs torchtitan |", "|---|---|---|---|---|---|"]
     for r in rows:
         for impl, label in (("moekit", "moekit (reference)"), ("torchtitan", "torchtitan-style")):
             err = f"{r.err:.1e}" if impl == "moekit" else ""
-            out.append(f"| {r.shape} | {label} | {r.ms[impl, 'fwd']:.2f} | {r.ms[impl, 'bwd']:.2f} | {err} |")
+            step = r.ms[impl, "fwd"] + r.ms[impl, "bwd"]
+            fwd = with_spread(r.ms[impl, "fwd"], r.spread[impl, "fwd"])
+            out.append(f"| {r.shape} | {r.tokens} | {label} | {fwd} | {with_spread(step, r.spread[impl, 'step'])} "
+                       f"| {err} |")
     return "\n".join(out)
 
 

@@ -17,7 +17,7 @@ import torch
 
 from ..layers import MoE
 from ..testing import rel_errors
-from . import CPU_NOTE, MoEShape, environment, interleaved_ms, run_table, step_profile
+from . import CPU_NOTE, MoEShape, environment, interleaved_ms, run_table, step_profile, with_spread
 from .baselines import TorchtitanMoE
 from .experts import _dense_calls, _saved_bytes
 from .sonic import sonicmoe_block_times
@@ -65,7 +65,8 @@ def _time_config(shape: MoEShape, config: str, device, x, dy) -> dict:
            "flops": 6.0 * shape.tokens * shape.top_k * shape.d * shape.f}
     for name, mod in (("moekit", moe), ("torchtitan", base)):
         fwd = ms[name, "fwd"]
-        row[name] = dict(fwd=fwd, bwd=max(ms[name, "step"] - fwd, 1e-6), saved=_saved_bytes(lambda mod=mod: mod(x)))
+        row[name] = dict(fwd=fwd, bwd=max(ms[name, "step"] - fwd, 1e-6), saved=_saved_bytes(lambda mod=mod: mod(x)),
+                         spread={"fwd": ms.spread[name, "fwd"], "step": ms.spread[name, "step"]})
     if "dense" in {k[0] for k in ms}:
         row["dense"] = dict(fwd=ms["dense", "fwd"], bwd=ms["dense", "bwd"], saved=None)
     if device == "cuda":
@@ -95,13 +96,15 @@ def _step(m: dict) -> float:
 
 def cpu_table(rows) -> str:
     """Without a GPU: the reference's and the baseline's times and their agreement, no speed ratios."""
-    out = [environment(), "", CPU_NOTE, "",
-           "| shape | config | impl | fwd ms | bwd ms | err vs torchtitan |", "|---|---|---|---|---|---|"]
+    out = [environment(), "", CPU_NOTE, "Medians of 3 rounds (their range in brackets).", "",
+           "| shape | T | config | impl | fwd ms | fwd+bwd ms | err vs torchtitan |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         for impl, label in (("moekit", "moekit (reference)"), ("torchtitan", "torchtitan-style")):
+            m = r[impl]
             err = f"{r['err']:.1e}" if impl == "moekit" else ""
-            out.append(f"| {r['shape']} | {r['config']} | {label} | {r[impl]['fwd']:.2f} | {r[impl]['bwd']:.2f} "
-                       f"| {err} |")
+            out.append(f"| {r['shape']} | {r['tokens']} | {r['config']} | {label} | "
+                       f"{with_spread(m['fwd'], m['spread']['fwd'])} | "
+                       f"{with_spread(m['fwd'] + m['bwd'], m['spread']['step'])} | {err} |")
     return "\n".join(out)
 
 
