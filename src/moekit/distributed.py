@@ -86,15 +86,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .layers import GroupedExperts, check_expert_args
+from .layers import GroupedExperts, RoutedBlock
 from .routing import (
     Routing,
-    check_router_args,
     combine,
     gather_token_rows,
     routing_metadata,
     sorted_weights,
-    topk_router,
 )
 from .validation import autocast
 
@@ -288,8 +286,9 @@ class _Chunk:
         self.t0, self.t1, self.experts, self.weights = t0, t1, experts, weights
 
 
-class ExpertParallelMoE(nn.Module):
-    """:class:`moekit.MoE` with its experts sharded over an expert-parallel process group.
+class ExpertParallelMoE(RoutedBlock):
+    """:class:`moekit.MoE` with its experts sharded over an expert-parallel process group: the same
+    :class:`moekit.layers.RoutedBlock` (arguments, router, balancing state, routing), other experts.
 
     Same arguments and numerics as :class:`moekit.MoE`, plus:
 
@@ -335,19 +334,17 @@ class ExpertParallelMoE(nn.Module):
         dtype=None,
         **experts_kw,
     ):
-        super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ExpertParallelMoE: torch.distributed is not initialized (dist.init_process_group)")
+        super().__init__("ExpertParallelMoE", dim, hidden_dim, num_experts, top_k, activation=activation,
+                         router_bias=router_bias, score_func=score_func, renormalize=renormalize, aux_loss=aux_loss,
+                         device=device, experts_kw=experts_kw)
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         if num_experts % self.world:
             raise ValueError(f"ExpertParallelMoE: num_experts ({num_experts}) must be divisible by the EP group's "
                              f"size ({self.world})")
-        check_router_args("ExpertParallelMoE", num_experts, top_k, score_func)
-        check_expert_args("ExpertParallelMoE", dim, hidden_dim, num_experts, activation,
-                          experts_kw.get("gate_up_layout", "interleaved"),
-                          {k: v for k, v in experts_kw.items() if k not in ("gate_up_layout", "nvfp4")})
         if splits not in SPLITS:
             raise ValueError(f"ExpertParallelMoE: splits must be one of {SPLITS}, got {splits!r}")
         if not isinstance(chunks, int) or chunks < 1:
@@ -355,22 +352,8 @@ class ExpertParallelMoE(nn.Module):
         self.splits, self.chunks = splits, chunks
         self.num_experts, self.local_experts = num_experts, num_experts // self.world
         self.expert_start = self.rank * self.local_experts
-        self.top_k, self.score_func, self.renormalize, self.use_aux_loss = top_k, score_func, renormalize, aux_loss
-        self.router = nn.Linear(dim, num_experts, bias=router_bias, device=device, dtype=torch.float32)
         self.experts = GroupedExperts(dim, hidden_dim, self.local_experts, bias=bias, activation=activation,
                                       device=device, dtype=dtype, **experts_kw)
-        self.register_buffer("expert_bias", torch.zeros(num_experts, device=device), persistent=True)
-        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64, device=device),
-                             persistent=False)
-        self.aux_loss = None
-
-    def reset_parameters(self) -> None:
-        """``expert_bias`` and ``tokens_per_expert`` back to zeros, as :meth:`moekit.MoE.reset_parameters`
-        (the router and the experts reset themselves)."""
-        with torch.no_grad():
-            self.expert_bias.zero_()
-            self.tokens_per_expert.zero_()
-        self.aux_loss = None
 
     @classmethod
     def from_moe(cls, moe: nn.Module, *, group=None, splits: str = "host", chunks: int = 1):
@@ -457,15 +440,12 @@ class ExpertParallelMoE(nn.Module):
                 if average:
                     p.grad /= self.world
 
-    @torch.no_grad()
-    def update_expert_bias(self, rate: float = 1e-3) -> None:
-        """Aux-loss-free balancing step on the global load (``tokens_per_expert`` summed over the
-        group, a collective), so that ``expert_bias`` stays replicated."""
+    def expert_load(self) -> torch.Tensor:
+        """The global load: ``tokens_per_expert`` summed over the group (a collective), so that
+        :meth:`update_expert_bias` keeps ``expert_bias`` replicated."""
         load = self.tokens_per_expert.clone()
         dist.all_reduce(load, group=self.group)
-        load = load.float()
-        self.expert_bias += rate * torch.sign(load.mean() - load)
-        self.tokens_per_expert.zero_()
+        return load.float()
 
     # ---- forward ----------------------------------------------------------------------------------
 
@@ -474,13 +454,7 @@ class ExpertParallelMoE(nn.Module):
         if shape[-1] != self.experts.dim:
             raise ValueError(f"ExpertParallelMoE: x (..., {self.experts.dim}), got {tuple(shape)}")
         x2 = autocast(x).reshape(-1, shape[-1])
-        r = topk_router(
-            x2, self.router.weight, self.router.bias, top_k=self.top_k, score_func=self.score_func,
-            renormalize=self.renormalize, expert_bias=self.expert_bias, aux_loss=self.use_aux_loss,
-        )
-        with torch.no_grad():
-            self.tokens_per_expert += r.counts
-        self.aux_loss = r.aux_loss
+        r = self.route(x2)
         chunks = self._chunks(r, x2.shape[0])
         device = self.splits == "device"
         for c in chunks:  # everything that needs no buffer size, ahead of the host sync

@@ -8,7 +8,7 @@ from torch import nn
 from .epilogue import LAYOUTS
 from .experts import TAILS, grouped_mm_downproj, grouped_mm_swiglu
 from .nvfp4_train import NVFP4Training
-from .routing import check_router_args, combine, sorted_weights, topk_router
+from .routing import Routing, check_router_args, combine, sorted_weights, topk_router
 from .validation import autocast, unit_columns
 
 ACTIVATIONS = {
@@ -160,7 +160,61 @@ class GptOssExperts(GroupedExperts):
         super().__init__(dim, hidden_dim, num_experts, bias=bias, activation=activation, **kw)
 
 
-class MoE(nn.Module):
+class RoutedBlock(nn.Module):
+    """What every MoE block shares, whatever holds its experts: the argument checks, the router (gate
+    ``Linear(D, E)`` in fp32), the balancing state (``expert_bias`` (E,), ``tokens_per_expert`` (E,)
+    int64, ``aux_loss``) and the routing of a step. :class:`MoE` keeps its experts on this device;
+    :class:`moekit.distributed.ExpertParallelMoE` shards them over a process group. A subclass
+    registers ``self.experts`` after this constructor, so the state dict's keys are the same for both."""
+
+    def __init__(self, owner: str, dim: int, hidden_dim: int, num_experts: int, top_k: int, *, activation: str,
+                 router_bias: bool, score_func: str, renormalize: bool, aux_loss: bool, device, experts_kw: dict):
+        super().__init__()
+        check_router_args(owner, num_experts, top_k, score_func)
+        check_expert_args(owner, dim, hidden_dim, num_experts, activation,
+                          experts_kw.get("gate_up_layout", "interleaved"),
+                          {k: v for k, v in experts_kw.items() if k not in ("gate_up_layout", "nvfp4")})
+        self.top_k, self.score_func, self.renormalize, self.use_aux_loss = top_k, score_func, renormalize, aux_loss
+        self.router = nn.Linear(dim, num_experts, bias=router_bias, device=device, dtype=torch.float32)
+        self.register_buffer("expert_bias", torch.zeros(num_experts, device=device), persistent=True)
+        # routed counts: int64, exact, and untouched by a cast of the module's floating-point tensors
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64, device=device),
+                             persistent=False)
+        self.aux_loss = None
+
+    def reset_parameters(self) -> None:
+        """The block's own state: ``expert_bias`` and ``tokens_per_expert`` back to zeros (the router and
+        the experts reset themselves). A meta-device build needs it after ``to_empty``."""
+        with torch.no_grad():
+            self.expert_bias.zero_()
+            self.tokens_per_expert.zero_()
+        self.aux_loss = None
+
+    def route(self, x2: torch.Tensor) -> Routing:
+        """Route this step's tokens x2 (T, D): the router's top-k, with the routed counts added to
+        ``tokens_per_expert`` and the aux loss (or None) left in ``self.aux_loss``."""
+        r = topk_router(
+            x2, self.router.weight, self.router.bias, top_k=self.top_k, score_func=self.score_func,
+            renormalize=self.renormalize, expert_bias=self.expert_bias, aux_loss=self.use_aux_loss,
+        )
+        with torch.no_grad():
+            self.tokens_per_expert += r.counts
+        self.aux_loss = r.aux_loss
+        return r
+
+    def expert_load(self) -> torch.Tensor:
+        """(E,) fp32 tokens routed to each expert since the last balancing step (this block's own)."""
+        return self.tokens_per_expert.float()
+
+    @torch.no_grad()
+    def update_expert_bias(self, rate: float = 1e-3) -> None:
+        """Aux-loss-free balancing step: raise the bias of under-loaded experts, lower the others."""
+        load = self.expert_load()
+        self.expert_bias += rate * torch.sign(load.mean() - load)
+        self.tokens_per_expert.zero_()
+
+
+class MoE(RoutedBlock):
     """An MoE block: router, permute-free dispatch, :class:`GroupedExperts`, and a weighted combine in
     fp32. No host sync anywhere; deterministic forward and backward.
 
@@ -203,39 +257,16 @@ class MoE(nn.Module):
         dtype=None,
         **experts_kw,
     ):
-        super().__init__()
-        check_router_args("MoE", num_experts, top_k, score_func)
-        check_expert_args("MoE", dim, hidden_dim, num_experts, activation,
-                          experts_kw.get("gate_up_layout", "interleaved"),
-                          {k: v for k, v in experts_kw.items() if k not in ("gate_up_layout", "nvfp4")})
-        self.top_k, self.score_func, self.renormalize, self.use_aux_loss = top_k, score_func, renormalize, aux_loss
-        self.router = nn.Linear(dim, num_experts, bias=router_bias, device=device, dtype=torch.float32)
+        super().__init__("MoE", dim, hidden_dim, num_experts, top_k, activation=activation, router_bias=router_bias,
+                         score_func=score_func, renormalize=renormalize, aux_loss=aux_loss, device=device,
+                         experts_kw=experts_kw)
         self.experts = GroupedExperts(dim, hidden_dim, num_experts, bias=bias, activation=activation,
                                       device=device, dtype=dtype, **experts_kw)
-        self.register_buffer("expert_bias", torch.zeros(num_experts, device=device), persistent=True)
-        # routed counts: int64, exact, and untouched by a cast of the module's floating-point tensors
-        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64, device=device),
-                             persistent=False)
-        self.aux_loss = None
-
-    def reset_parameters(self) -> None:
-        """The block's own state: ``expert_bias`` and ``tokens_per_expert`` back to zeros (the router and
-        the experts reset themselves). A meta-device build needs it after ``to_empty``."""
-        with torch.no_grad():
-            self.expert_bias.zero_()
-            self.tokens_per_expert.zero_()
-        self.aux_loss = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = unit_columns(autocast(x).reshape(-1, shape[-1]))
-        r = topk_router(
-            x2, self.router.weight, self.router.bias, top_k=self.top_k, score_func=self.score_func,
-            renormalize=self.renormalize, expert_bias=self.expert_bias, aux_loss=self.use_aux_loss,
-        )
-        with torch.no_grad():
-            self.tokens_per_expert += r.counts
-        self.aux_loss = r.aux_loss
+        r = self.route(x2)
         if self.experts.mlp2_bias_ED is None:  # weights applied before the (linear) down-projection
             scale = sorted_weights(r.weights, r.row_of)
             ys = self.experts(x2, r.counts, r.token_idx, r.row_of, scale, r.offs)  # permute-free: no copy of x
@@ -243,12 +274,5 @@ class MoE(nn.Module):
         ys = self.experts(x2, r.counts, r.token_idx, r.row_of, None, r.offs)
         return combine(ys, r.weights, r.row_of).reshape(shape)
 
-    @torch.no_grad()
-    def update_expert_bias(self, rate: float = 1e-3) -> None:
-        """Aux-loss-free balancing step: raise the bias of under-loaded experts, lower the others."""
-        load = self.tokens_per_expert.float()
-        self.expert_bias += rate * torch.sign(load.mean() - load)
-        self.tokens_per_expert.zero_()
 
-
-__all__ = ["ACTIVATIONS", "GptOssExperts", "GroupedExperts", "MoE", "check_expert_args"]
+__all__ = ["ACTIVATIONS", "GptOssExperts", "GroupedExperts", "MoE", "RoutedBlock", "check_expert_args"]
