@@ -36,10 +36,10 @@ def test_gluon_quantize_only_on_cuda_and_only_when_on():
 
 def test_sm_margin_takes_sms_from_the_persistent_launches():
     cuda = torch.device("cuda", 0)
-    config._sm_count.cache_clear()
+    config.target._sm_count.cache_clear()
     try:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(config, "_sm_count", lambda index: 132)
+            mp.setattr(config.target, "_sm_count", lambda index: 132)
             assert config.num_sms(cuda) == 132
             with moekit.options(sm_margin=20):
                 assert config.num_sms(cuda) == 112 and moekit.get_options().sm_margin == 20
@@ -47,7 +47,7 @@ def test_sm_margin_takes_sms_from_the_persistent_launches():
                 assert config.num_sms(cuda) == 1  # never below one program
             assert config.num_sms(cuda) == 132
     finally:
-        config._sm_count.cache_clear()
+        config.target._sm_count.cache_clear()
     for bad in (-1, 1.5, True, "8"):
         with pytest.raises(ValueError, match="sm_margin must be an int >= 0"):
             moekit.set_options(sm_margin=bad)
