@@ -18,9 +18,10 @@ import functools
 import torch
 
 import moekit
-from moekit import config, nvfp4, nvfp4_gemm
+from moekit import config, nvfp4
 from moekit.bench import bench_ms, copy_bandwidth_gbs, environment, graph_ms
-from moekit.nvfp4_gemm import pack_weights
+from moekit.nvfp4 import gemm as nvfp4_gemm
+from moekit.nvfp4.gemm import pack_weights
 
 
 def _offs(m, e, dev):

@@ -135,7 +135,7 @@ def nvfp4_case():
 
 
 def nvfp4_gemm_case():
-    from moekit.nvfp4_gemm import grouped_mm_nvfp4_ref
+    from moekit.nvfp4.gemm import grouped_mm_nvfp4_ref
 
     torch.manual_seed(4)
     for counts, rows, k, n in (([9, 0, 16, 3], 33, 256, 384), ([300, 0, 257, 130], 700, 128, 200)):
@@ -147,7 +147,7 @@ def nvfp4_gemm_case():
 
 
 def nvfp4_swiglu_case():
-    from moekit import nvfp4_swiglu as ns
+    from moekit.nvfp4 import swiglu as ns
 
     torch.manual_seed(5)
     pre = (torch.randn(77, 2 * 96, device=DEV) * 3).to(torch.bfloat16)

@@ -18,7 +18,7 @@ from triton.testing import do_bench
 
 import moekit
 from moekit import config, nvfp4
-from moekit.nvfp4_gemm import grouped_mm_nvfp4_fwd, pack_weights
+from moekit.nvfp4.gemm import grouped_mm_nvfp4_fwd, pack_weights
 
 E, K, N = 32, 2880, 5760
 

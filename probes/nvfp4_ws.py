@@ -71,7 +71,7 @@ def main():
 
     import moekit
     from moekit import config, nvfp4
-    from moekit.nvfp4_gemm import grouped_mm_nvfp4_fwd, grouped_mm_nvfp4_ref, pack_weights
+    from moekit.nvfp4.gemm import grouped_mm_nvfp4_fwd, grouped_mm_nvfp4_ref, pack_weights
 
     def bench(fn):  # GPU time: each call replayed from a CUDA graph (the launchers' host time is out)
         return do_bench_cudagraph(fn, rep=100, return_mode="median")

@@ -95,8 +95,8 @@ def swiglu_tiles(g, copy):
     its tile sweep on the interleaved8 layout, each checked bit for bit."""
     import triton
 
-    from moekit import nvfp4_swiglu as ns
     from moekit._kernels.nvfp4_gluon import _swiglu_quantize_rows_kernel
+    from moekit.nvfp4 import swiglu as ns
 
     m, f = 24576 * 4, 2880
     pre = torch.randn(m, 2 * f, device="cuda", dtype=torch.bfloat16)

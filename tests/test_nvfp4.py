@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import moekit
-from moekit import config, nvfp4
+from moekit import config
+from moekit.nvfp4 import formats as nvfp4
 
 E4M3 = torch.float8_e4m3fn
 DEV = "cuda"

@@ -15,7 +15,7 @@ from ptx_emulator import _f16x2, _run_ptx
 import moekit
 from moekit import config, nvfp4
 from moekit._kernels import nvfp4_gemm as kernels
-from moekit.nvfp4_gemm import (
+from moekit.nvfp4.gemm import (
     _grouped_mm_nvfp4_op,
     grouped_mm_nvfp4,
     grouped_mm_nvfp4_fwd,
@@ -117,7 +117,7 @@ def test_kernel_and_reference_match_the_oracle(interpreter, counts, m, k, n):
                          ids=["decoded", "dequantized"])
 def test_other_output_dtypes(interpreter, monkeypatch, out_dtype, counts, m, dequantized):
     """Each output dtype in both regimes; a spy on the dequantizing path shows which one ran."""
-    import moekit.nvfp4_gemm as mod
+    import moekit.nvfp4.gemm as mod
 
     calls = []
     real = mod._dequantized_mm
@@ -600,7 +600,7 @@ def test_warp_specialized_is_the_packed_default_gpu(monkeypatch):
     """On sm_90 the public op sends packed weights at <= 64 rows per expert to the warp-specialized
     kernel (and not K-ordered ones, nor packed ones with the option off), and a warp-specialized tile
     on K-ordered weights is an error."""
-    from moekit import nvfp4_gemm
+    from moekit.nvfp4 import gemm as nvfp4_gemm
 
     if not config.use_warp_specialized(torch.device(DEV)):
         pytest.skip("the warp-specialized kernel needs sm_90 with Gluon")

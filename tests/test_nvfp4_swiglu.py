@@ -11,7 +11,7 @@ import torch
 
 import moekit
 from moekit import nvfp4
-from moekit import nvfp4_swiglu as ns
+from moekit.nvfp4 import swiglu as ns
 
 BF16 = torch.bfloat16
 DEV = "cuda"
@@ -183,7 +183,7 @@ def _differ(a, b) -> float:
 
 def _close_to_ref(got, want):
     """Against the torch reference a GPU kernel may round a few h differently (its exp is approximate,
-    module docstring of moekit.nvfp4_swiglu): few bytes may differ, never the global scale."""
+    module docstring of moekit.nvfp4.swiglu): few bytes may differ, never the global scale."""
     assert _differ(got[0], want[0]) < 1e-3 and _differ(got[1], want[1]) < 1e-3
     _assert_bit_equal(got[2:], want[2:])
 

@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 
 import moekit
-from moekit import nvfp4, nvfp4_train
+from moekit import nvfp4
 from moekit.nvfp4 import TrainingRecipe, hadamard16
+from moekit.nvfp4 import train as nvfp4_train
 
 gpu = pytest.mark.gpu
 SR = dict(rounding="stochastic")

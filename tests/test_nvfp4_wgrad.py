@@ -9,7 +9,7 @@ import torch
 
 import moekit
 from moekit import grouped_mm_nvfp4_wgrad, grouped_mm_nvfp4_wgrad_ref, nvfp4
-from moekit.nvfp4_gemm import _grouped_mm_nvfp4_wgrad_op
+from moekit.nvfp4.gemm import _grouped_mm_nvfp4_wgrad_op
 from moekit.testing import offs_from_counts
 
 FP4, E4M3, U8 = torch.float4_e2m1fn_x2, torch.float8_e4m3fn, torch.uint8

@@ -10,9 +10,10 @@ from ptx_emulator import _run_ptx
 from test_nvfp4 import BAD_GLOBAL_SCALES, DEV, _assert_bit_equal, _special_inputs, gpu
 
 import moekit
-from moekit import config, nvfp4
-from moekit import nvfp4_swiglu as ns
+from moekit import config
 from moekit._kernels import nvfp4_gluon as kernels
+from moekit.nvfp4 import formats as nvfp4
+from moekit.nvfp4 import swiglu as ns
 
 
 def _finite_amax_bits(halves: list[int]) -> int:

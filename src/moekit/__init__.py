@@ -16,8 +16,11 @@ from .epilogue import SwiGLU
 from .experts import grouped_mm_downproj, grouped_mm_swiglu, swiglu
 from .grouped_gemm import grouped_mm
 from .layers import GptOssExperts, GroupedExperts, MoE
-from .nvfp4_gemm import grouped_mm_nvfp4, grouped_mm_nvfp4_ref, grouped_mm_nvfp4_wgrad, grouped_mm_nvfp4_wgrad_ref
-from .nvfp4_swiglu import (
+from .nvfp4 import (
+    grouped_mm_nvfp4,
+    grouped_mm_nvfp4_ref,
+    grouped_mm_nvfp4_wgrad,
+    grouped_mm_nvfp4_wgrad_ref,
     grouped_mm_swiglu_nvfp4,
     grouped_mm_swiglu_nvfp4_ref,
     swiglu_quantize_nvfp4,

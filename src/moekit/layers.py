@@ -7,7 +7,7 @@ from torch import nn
 
 from .epilogue import LAYOUTS
 from .experts import TAILS, grouped_mm_downproj, grouped_mm_swiglu
-from .nvfp4_train import NVFP4Training
+from .nvfp4.train import NVFP4Training
 from .routing import Routing, check_router_args, combine, sorted_weights, topk_router
 from .validation import autocast, unit_columns
 
@@ -73,7 +73,7 @@ class GroupedExperts(nn.Module):
     that reads none of them (:func:`moekit.grouped_mm_swiglu`; the NVFP4 path writes zeros anyway).
 
     ``nvfp4``: True or a :class:`moekit.nvfp4.TrainingRecipe` runs the two expert GEMMs and their
-    backward on emulated NVFP4 operands (``moekit.nvfp4_train``); the parameters stay as they are.
+    backward on emulated NVFP4 operands (``moekit.nvfp4.train``); the parameters stay as they are.
     """
 
     def __init__(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .nvfp4_train import NVFP4Training
+from .nvfp4.train import NVFP4Training
 
 
 def warmup(module: nn.Module, x: torch.Tensor, *, backward: bool = True) -> None:

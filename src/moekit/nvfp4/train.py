@@ -36,10 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import nvfp4
-from .experts import swiglu
-from .grouped_gemm import grouped_mm
-from .nvfp4_gemm import grouped_mm_nvfp4_wgrad
+from ..experts import swiglu
+from ..grouped_gemm import grouped_mm
+from . import formats as nvfp4
+from .gemm import grouped_mm_nvfp4_wgrad
 
 HADAMARD = 16  # the rotation's size: one NVFP4 block
 

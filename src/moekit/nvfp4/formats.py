@@ -1,4 +1,4 @@
-"""NVFP4: the format, its quantization and block-scale layouts; pure-PyTorch references and Triton ops.
+"""The NVFP4 format: its quantization and block-scale layouts; pure-PyTorch references and Triton ops.
 
 An NVFP4 tensor x (M, K) is stored as
 - ``values`` (M, K / 2) ``torch.float4_e2m1fn_x2``: e2m1 codes (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6
@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from . import config, launch
-from ._kernels.nvfp4 import (
+from .. import config, launch
+from .._kernels.nvfp4 import (
     _amax_kernel,
     _dequantize_kernel,
     _global_scale_kernel,
@@ -492,7 +492,7 @@ def quantize_fwd(x3: torch.Tensor, gscale: torch.Tensor, per_group: bool, block_
     if values.numel() == 0:
         return values, scales
     if not block_2d and not stochastic and config.use_gluon_quantize(x3.device):
-        from ._kernels.nvfp4_gluon import _quantize_rows_kernel
+        from .._kernels.nvfp4_gluon import _quantize_rows_kernel
 
         bm, nb, warps = QUANTIZE_TILE  # 16 warps x 4 rows x 2 repeats; 8 blocks (128 elements) of a row
         tiles_k = triton.cdiv(k, 16 * nb)
@@ -768,20 +768,3 @@ def to_blocked_ragged(scales: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         return to_blocked_ragged_ref(scales, offs)
     out = _run(_to_blocked_ragged_op, to_blocked_ragged_fwd, scales.view(torch.uint8), offs)
     return out.view(scales.dtype)
-
-
-_TRAINING_NAMES = ("TrainingRecipe", "hadamard16")
-
-
-def __getattr__(name: str):
-    """NVFP4 training's recipe and random Hadamard transform, and ``moekit.warmup``, reachable as
-    ``moekit.nvfp4.*``. They live in modules that import this one, so they are looked up on first use."""
-    if name in _TRAINING_NAMES:
-        from . import nvfp4_train
-
-        return getattr(nvfp4_train, name)
-    if name == "warmup":
-        from .warmup import warmup
-
-        return warmup
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

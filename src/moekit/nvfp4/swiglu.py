@@ -34,14 +34,14 @@ from __future__ import annotations
 import torch
 import triton
 
-from . import config, launch
-from ._kernels.nvfp4_swiglu import _grouped_mm_swiglu_nvfp4_kernel, _swiglu_quantize_kernel
-from .descriptors import TensorDescriptor, weight_descriptor
-from .epilogue import SwiGLU, swiglu_torch
-from .experts import _TL_DTYPES, _check_expert_inputs, _tma_views_ok
-from .hopper import ws_swiglu_nvfp4, ws_swiglu_nvfp4_ok
-from .nvfp4 import BLOCK, _describe, _device_scale, _run, deinterleave8_ref, quantize_ref
-from .reference import grouped_mm_swiglu_ref
+from .. import config, launch
+from .._kernels.nvfp4_swiglu import _grouped_mm_swiglu_nvfp4_kernel, _swiglu_quantize_kernel
+from ..descriptors import TensorDescriptor, weight_descriptor
+from ..epilogue import SwiGLU, swiglu_torch
+from ..experts import _TL_DTYPES, _check_expert_inputs, _tma_views_ok
+from ..hopper import ws_swiglu_nvfp4, ws_swiglu_nvfp4_ok
+from ..reference import grouped_mm_swiglu_ref
+from .formats import BLOCK, _describe, _device_scale, _run, deinterleave8_ref, quantize_ref
 
 LAYOUTS = ("interleaved", "halves", "interleaved8")
 # The Gluon SwiGLU -> NVFP4 kernel's tile (rows, 16-element blocks of h per row, warps) and its
@@ -163,7 +163,7 @@ def swiglu_quantize_nvfp4_fwd(pre: torch.Tensor, gscale: torch.Tensor, alpha: fl
     if values.numel() == 0:
         return values, scales
     if config.use_gluon_quantize(pre.device):
-        from ._kernels.nvfp4_gluon import _swiglu_quantize_rows_kernel
+        from .._kernels.nvfp4_gluon import _swiglu_quantize_rows_kernel
 
         words = pre.dtype == torch.bfloat16
         bm, nb, warps = SWIGLU_QUANTIZE_TILE[words]

@@ -30,11 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import config, launch
-from ._kernels.nvfp4_gemm import _grouped_mm_nvfp4_kernel
-from .grouped_gemm import _ragged_m, grouped_mm
-from .nvfp4 import BLOCK, _run, dequantize, dequantize_fwd, e2m1_values_ref, unpack_ref
-from .reference import _bounds
+from .. import config, launch
+from .._kernels.nvfp4_gemm import _grouped_mm_nvfp4_kernel
+from ..grouped_gemm import _ragged_m, grouped_mm
+from ..reference import _bounds
+from .formats import BLOCK, _run, dequantize, dequantize_fwd, e2m1_values_ref, unpack_ref
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP4, E4M3 = torch.float4_e2m1fn_x2, torch.float8_e4m3fn
@@ -287,8 +287,8 @@ def _ws_mm(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out
     weight rows by ``cfg.block_m`` (16, 32 or 64) expert rows."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
-    from ._kernels import hopper_gemm as hk  # Gluon: imported only where it runs
-    from ._kernels.nvfp4_gemm_ws import _grouped_mm_nvfp4_ws_kernel
+    from .._kernels import hopper_gemm as hk  # Gluon: imported only where it runs
+    from .._kernels.nvfp4_gemm_ws import _grouped_mm_nvfp4_ws_kernel
 
     (m, half), (e, n, _) = a_values.shape, w_values.shape
     k, bm = 2 * half, cfg.block_m
@@ -568,7 +568,7 @@ def grouped_mm_nvfp4_wgrad(
     - ``b_values`` (N, T / 2), ``b_scales`` (N, T / 16), ``b_global`` 0-dim fp32: dy^T (N, T);
     - ``offs`` (E,) int32 cumulative column ends on the device, non-decreasing, offs[-1] <= T (never
       read by the host). A 16-element block that straddles two groups has one scale for both; to give
-      each expert its own blocks, start every group on a multiple of 16 (``nvfp4_train.padded_rows``
+      each expert its own blocks, start every group on a multiple of 16 (``train.padded_rows``
       places expert-sorted rows so).
 
     Numerics: the decoded operands (``e2m1 * e4m3``, exact in bf16) multiply with fp32 accumulation, the
