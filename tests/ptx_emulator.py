@@ -102,6 +102,9 @@ def _run_ptx(asm: str, inputs: dict[str, int]) -> dict[str, int]:
                     for sh in (0, 16))
         elif op == "max.bf16x2":
             r = _bf16x2_max(v[0], v[1])
+        elif op == "max.NaN.bf16x2":  # per half: the canonical NaN 0x7FFF where either half is NaN
+            r = sum((0x7FFF if _bf16_is_nan((v[0] >> sh) & 0xFFFF) or _bf16_is_nan((v[1] >> sh) & 0xFFFF)
+                     else (_bf16x2_max(v[0], v[1]) >> sh) & 0xFFFF) << sh for sh in (0, 16))
         elif op == "shl.b32":
             r = (v[0] << v[1]) & 0xFFFFFFFF
         elif op == "shr.b32":  # unsigned (.b32): zeros shift in

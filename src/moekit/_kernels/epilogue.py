@@ -13,11 +13,20 @@ import triton.language as tl
 def swiglu_apply(g, lin, ALPHA: tl.constexpr, LIMIT: tl.constexpr, OFFSET: tl.constexpr):
     """h = g_c * sigmoid(ALPHA * g_c) * (l_c + OFFSET), g_c = min(g, LIMIT), l_c = clamp(l, +-LIMIT).
 
-    LIMIT=None turns both clamps off. Inputs and result are fp32."""
+    LIMIT=None turns both clamps off. Inputs and result are fp32. NaN stays NaN, as in torch.clamp."""
     if LIMIT is not None:
-        g = tl.minimum(g, LIMIT)
-        lin = tl.minimum(tl.maximum(lin, -LIMIT), LIMIT)
+        g, lin = _clamp_gate_linear(g, lin, LIMIT)
     return g * tl.sigmoid(ALPHA * g) * (lin + OFFSET)
+
+
+@triton.jit
+def _clamp_gate_linear(g, lin, LIMIT: tl.constexpr):
+    """(min(g, LIMIT), clamp(lin, +-LIMIT)) as selects, which keep a NaN input NaN as torch.clamp does:
+    ``tl.minimum`` compiles to ``min.f32`` on the GPU, which returns the other operand for a NaN (the
+    interpreter's numpy minimum would propagate it, so the two would disagree)."""
+    g = tl.where(g > LIMIT, LIMIT, g)
+    lin = tl.where(lin > LIMIT, LIMIT, tl.where(lin < -LIMIT, -LIMIT, lin))
+    return g, lin
 
 
 @triton.jit
@@ -27,8 +36,7 @@ def swiglu_apply_bwd(g, lin, dh, ALPHA: tl.constexpr, LIMIT: tl.constexpr, OFFSE
     if LIMIT is not None:
         pass_g = g <= LIMIT
         pass_l = (lin >= -LIMIT) & (lin <= LIMIT)
-        g = tl.minimum(g, LIMIT)
-        lin = tl.minimum(tl.maximum(lin, -LIMIT), LIMIT)
+        g, lin = _clamp_gate_linear(g, lin, LIMIT)
     s = tl.sigmoid(ALPHA * g)
     gs = g * s
     lo = lin + OFFSET

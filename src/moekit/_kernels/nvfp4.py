@@ -5,7 +5,8 @@
   all-zero group). Together they compute a global scale on the device, without a host sync.
 * ``_quantize_kernel``: (G, R, K) -> packed e2m1 codes (G * R, K / 2) and e4m3 block scales
   (G * R, K / 16), from one global scale per group (or one for all); 1x16 blocks along K, or 16x16
-  blocks (16 rows x 16 elements along K share one scale); e2m1 rounding to nearest even, or stochastic
+  blocks (16 rows x 16 elements along K share one scale); a block holding a NaN or an inf gets the
+  NaN scale and zero codes; e2m1 rounding to nearest even, or stochastic
   on Philox random bits (element i takes word i % 4 of ``tl.randint4x(seed, offset + i // 4)``,
   reproduced by ``random_bits_ref``).
 * ``_dequantize_kernel``: the inverse, to fp32 (or a narrower float).
@@ -39,6 +40,21 @@ def _finite_abs(x):
     """|x| in fp32 with NaN and +-inf as 0: what the amaxes see."""
     a = tl.abs(x.to(tl.float32))
     return tl.where(a <= FLT_MAX, a, 0.0)  # NaN compares false too
+
+
+@triton.jit
+def _block_abs(x):
+    """|x| in fp32 with NaN and +-inf as +inf: what a block's amax sees (``nvfp4._block_abs``)."""
+    a = tl.abs(x.to(tl.float32))
+    return tl.where(a <= FLT_MAX, a, float("inf"))
+
+
+@triton.jit
+def _block_ratio(ratio, amax):
+    """A block's amax / (6 g) and its amax (``_block_abs``) -> the ratio clamped to 448, NaN for a block
+    with a non-finite value (an infinite amax) or a NaN quotient: the scale before its e4m3 cast."""
+    ratio = tl.where(ratio > 448.0, 448.0, ratio)  # not tl.minimum: a NaN ratio stays NaN, as in torch
+    return tl.where(amax <= FLT_MAX, ratio, float("nan"))
 
 
 @triton.jit
@@ -171,12 +187,11 @@ def _quantize_tile(x, g, rbits, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BL
     random bits ``rbits`` [BLOCK_M, BLOCK_K] uint32 (unused otherwise)."""
     NB: tl.constexpr = BLOCK_K // 16
     blocks = tl.reshape(x, [BLOCK_M, NB, 16])
-    amax = tl.max(_finite_abs(blocks), axis=2)  # [BLOCK_M, NB]
+    amax = tl.max(_block_abs(blocks), axis=2)  # [BLOCK_M, NB]; +inf for a block with a NaN or inf
     if BLOCK_2D:
         tile = tl.max(tl.reshape(amax, [BLOCK_M // 16, 16, NB]), axis=1)
         amax = tl.reshape(tl.broadcast_to(tile[:, None, :], [BLOCK_M // 16, 16, NB]), [BLOCK_M, NB])
-    ratio = tl.math.div_rn(amax, tl.zeros_like(amax) + 6.0 * g)
-    ratio = tl.where(ratio > 448.0, 448.0, ratio)  # not tl.minimum: a NaN ratio stays NaN, as in torch
+    ratio = _block_ratio(tl.math.div_rn(amax, tl.zeros_like(amax) + 6.0 * g), amax)
     s_code = _e4m3_code(ratio)
     denom = tl.where(ratio == ratio, _e4m3_value(s_code), ratio) * g
     ok = denom > 0  # a scale that underflowed e4m3 (or a NaN one): zero codes

@@ -27,11 +27,11 @@ block, the e4m3 scale is rounded and decoded by the conversion instructions (``c
 newer, which this kernel requires anyway), which round as ``_e4m3_code`` does.
 
 Two paths, the same bits. bf16 input with a unit column stride, even strides and a 4-byte aligned start
-takes ``_quantize_words``: its rows are read as 32-bit words of two elements, and inline PTX clears NaN
-halves, takes the block amax as a bf16x2 maximum and packs four code bytes with their signs per word
-(22.6 SASS instructions per element in the loop, sm_90, Triton 3.6); that kernel is persistent over all
-of a group's tiles. Other inputs go element by element (``_quantize_blocks``, 29 per element),
-persistent along the rows of a column tile. Both issue a tile's loads before the arithmetic of the one
+takes ``_quantize_words``: its rows are read as 32-bit words of two elements, and inline PTX takes the
+block amax as a NaN-keeping bf16x2 maximum (a block holding a NaN or an inf then takes the NaN scale)
+and packs four code bytes with their signs per word; that kernel is persistent over all of a group's
+tiles. Other inputs go element by element (``_quantize_blocks``), persistent along the rows of a
+column tile. Both issue a tile's loads before the arithmetic of the one
 before it. The SwiGLU pass takes the same two paths for its h.
 """
 
@@ -41,7 +41,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from .epilogue import swiglu_apply
-from .nvfp4 import _e2m1_magnitude_bits, _finite_abs, _read_global_scale
+from .nvfp4 import _block_abs, _block_ratio, _e2m1_magnitude_bits, _read_global_scale
 
 TWO_64 = gl.constexpr(18446744073709551616.0)
 NO_LIFT = gl.constexpr(2.0**-117)  # global scales from here up give normal divisors d
@@ -111,11 +111,10 @@ def _load_tile(x, pid_m, pid_k, gi, R, K, stride_g, stride_r, stride_k,
 
 @gluon.jit
 def _block_scales(amax, g):
-    """Per block: its amax over the finite |x| and the global scale g -> (e4m3 scale code (int32), the
-    divisor d = decoded scale * g, or 1 where the scale underflowed e4m3 or is NaN, and ``ok``, false
-    there: such a block gets zero codes)."""
-    ratio = _div_rn(amax, gl.zeros_like(amax) + 6.0 * g)
-    ratio = gl.where(ratio > 448.0, 448.0, ratio)  # a NaN ratio stays NaN, as in torch
+    """Per block: its amax (``_block_abs``: +inf for a block with a NaN or an inf) and the global scale
+    g -> (e4m3 scale code (int32), the divisor d = decoded scale * g, or 1 where the scale underflowed
+    e4m3 or is NaN, and ``ok``, false there: such a block gets zero codes)."""
+    ratio = _block_ratio(_div_rn(amax, gl.zeros_like(amax) + 6.0 * g), amax)
     s_code = _e4m3_code_cvt(ratio)
     denom = gl.where(ratio == ratio, _e4m3_value_cvt(s_code), ratio) * g
     ok = denom > 0
@@ -130,7 +129,7 @@ def _quantize_blocks(xt, g, nib4, LIFT: gl.constexpr):
     subnormal there): LIFT_NEVER, LIFT_ALWAYS, or LIFT_BY_SCALE (a factor of 2^64 or 1 from g, one
     multiply per element)."""
     # per block, once per thread
-    amax = gl.max(gl.max(_finite_abs(xt), axis=3), axis=2)  # [rows, blocks]
+    amax = gl.max(gl.max(_block_abs(xt), axis=3), axis=2)  # [rows, blocks]
     s_code, d, ok = _block_scales(amax, g)
     if LIFT == LIFT_ALWAYS:
         d = d * TWO_64
@@ -152,19 +151,14 @@ def _quantize_blocks(xt, g, nib4, LIFT: gl.constexpr):
 
 
 # The bf16 path works on 32-bit words, each two bf16 elements (the even one in the low half), which is
-# also one byte of output codes. Inline PTX does per word what the fp32 path does per element:
-# NaN halves become +0 (so that they get code 0 from the arithmetic below, with no sign), and the
-# block's amax is a bf16x2 maximum of |x| + 1 ulp (a half's bits plus one): the largest finite bf16
-# becomes inf, which the maximum keeps, and inf becomes NaN, which ``max.bf16x2`` drops (it returns the
-# other operand), so the maximum is over the finite values; one ulp less is their amax.
-_WORD_SANITIZE = gl.constexpr("{ .reg .b32 m; set.num.u32.bf16x2 m, $1, $1; and.b32 $0, $1, m; }")
-_WORD_ABS_ULP = gl.constexpr("{ .reg .b32 t; and.b32 t, $1, 0x7FFF7FFF; add.u32 $0, t, 0x00010001; }")
-# the two halves' maximum, one ulp less, as fp32; a block with nothing finite (a NaN maximum) -> 0
-_WORDS_AMAX = gl.constexpr("{ .reg .b32 t, u; .reg .pred p; prmt.b32 t, $1, 0, 0x1032; max.bf16x2 u, $1, t; "
-               "and.b32 u, u, 0xFFFF; min.u32 u, u, 0x7F81; sub.u32 u, u, 1; setp.eq.u32 p, u, 0x7F80; "
-               "selp.b32 u, 0, u, p; shl.b32 $0, u, 16; }")
-# Four words' magnitude bytes ($1-$4: code_lo + 16 code_hi in the low byte) and the four sanitized input
-# words ($5-$8) -> the four output bytes with the signs: a sign goes to bit 3 (even element) or 7 of
+# also one byte of output codes. The block's amax is a ``max.NaN.bf16x2`` over the words' |x| (the
+# sign bits cleared), which keeps a NaN, then ``_WORDS_AMAX``: the two halves' maximum as fp32, with a
+# NaN or an inf (bits 0x7F80 and up) as +inf, so that a block holding one takes the NaN scale and zero
+# codes (``_block_ratio``); a NaN or inf element thus needs no care of its own in the arithmetic below.
+_WORDS_AMAX = gl.constexpr("{ .reg .b32 t, u; prmt.b32 t, $1, 0, 0x1032; max.NaN.bf16x2 u, $1, t; "
+                           "and.b32 u, u, 0xFFFF; min.u32 u, u, 0x7F80; shl.b32 $0, u, 16; }")
+# Four words' magnitude bytes ($1-$4: code_lo + 16 code_hi in the low byte) and the four input words
+# ($5-$8) -> the four output bytes with the signs: a sign goes to bit 3 (even element) or 7 of
 # its byte where that code is not 0 (a negative value rounding to 0 gets the code of +0). The signs
 # come from ``prmt``'s sign-replicate selectors (bytes 1 and 3 of each word hold its halves' sign bits).
 _WORDS_PACK4 = gl.constexpr("{ .reg .b32 a, b, p, s01, s23, sl, sh, nz; "
@@ -175,12 +169,12 @@ _WORDS_PACK4 = gl.constexpr("{ .reg .b32 a, b, p, s01, s23, sl, sh, nz; "
                 "add.u32 nz, p, 0x77777777; and.b32 sl, sl, nz; or.b32 $0, p, sl; }")
 
 
-_BF16X2_MAX = gl.constexpr("max.bf16x2 $0, $1, $2;")
+_BF16X2_MAX_NAN = gl.constexpr("max.NaN.bf16x2 $0, $1, $2;")  # a NaN half in either gives NaN
 
 
 @gluon.jit
-def _bf16x2_max(a, b):
-    return gl.inline_asm_elementwise(_BF16X2_MAX, "=r,r,r", [a, b], dtype=gl.int32, is_pure=True, pack=1)
+def _bf16x2_max_nan(a, b):
+    return gl.inline_asm_elementwise(_BF16X2_MAX_NAN, "=r,r,r", [a, b], dtype=gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -201,13 +195,11 @@ def _quantize_words(w, g, LIFT: gl.constexpr, LP: gl.constexpr):
     code low, in LP; e4m3 scale codes [rows, blocks] int32), the same bits. ``LIFT``: LIFT_NEVER or
     LIFT_ALWAYS."""
     gl.static_assert(LIFT != LIFT_BY_SCALE, "_quantize_words: LIFT_NEVER or LIFT_ALWAYS")
-    ws = gl.inline_asm_elementwise(_WORD_SANITIZE, "=r,r", [w], dtype=gl.int32, is_pure=True, pack=1)
-    lifted = gl.inline_asm_elementwise(_WORD_ABS_ULP, "=r,r", [ws], dtype=gl.int32, is_pure=True, pack=1)
-    amax = gl.inline_asm_elementwise(_WORDS_AMAX, "=f,r", [gl.reduce(lifted, 2, _bf16x2_max)], dtype=gl.float32,
-                                     is_pure=True, pack=1)
+    amax = gl.inline_asm_elementwise(_WORDS_AMAX, "=f,r", [gl.reduce(w & 0x7FFF7FFF, 2, _bf16x2_max_nan)],
+                                     dtype=gl.float32, is_pure=True, pack=1)
     s_code, d, ok = _block_scales(amax, g)
-    lo = (ws << 16).to(gl.float32, bitcast=True)
-    hi = (ws & -65536).to(gl.float32, bitcast=True)
+    lo = (w << 16).to(gl.float32, bitcast=True)
+    hi = (w & -65536).to(gl.float32, bitcast=True)
     if LIFT == LIFT_ALWAYS:
         d = d * TWO_64
         lo = lo * TWO_64
@@ -217,7 +209,7 @@ def _quantize_words(w, g, LIFT: gl.constexpr, LP: gl.constexpr):
     y3 = gl.expand_dims(y, 2)
     mags = _rn_magnitude_bits(lo, nd3, y3) + (_rn_magnitude_bits(hi, nd3, y3) << 4)
     m0, m1, m2, m3 = _split4(mags)
-    w0, w1, w2, w3 = _split4(ws)
+    w0, w1, w2, w3 = _split4(w)
     packed = gl.inline_asm_elementwise(_WORDS_PACK4, "=r,r,r,r,r,r,r,r,r", [m0, m1, m2, m3, w0, w1, w2, w3],
                                        dtype=gl.int32, is_pure=True, pack=1)
     packed = gl.convert_layout(packed, LP, assert_trivial=True)

@@ -12,8 +12,10 @@ so that x ~= e2m1(values) * scales * global_scale.
 Rounding is to nearest with ties to even, once: a value is divided by its block's (e4m3-rounded) scale
 times the global scale in fp32 and rounded to e2m1 directly, as the hardware conversion
 ``cvt.rn.satfinite.e2m1x2.f32`` does, saturating at +-6. A block whose scale underflows e4m3 gets
-scale 0 and all-zero values. Non-finite inputs have a documented result rather than a NaN scale:
-the amaxes ignore them, +-inf saturates to +-6 times the block scale, NaN becomes 0.
+scale 0 and all-zero values. Non-finite inputs propagate, as they do through a bf16 GEMM: a block
+holding a NaN or an +-inf gets the NaN scale (e4m3 code 0x7F) and zero codes, so it dequantizes to NaN
+and every GEMM that reads it gives NaN where a bf16 one would have given NaN or inf. The global
+scale's amax leaves them out, so the other blocks quantize as if they were absent.
 
 GEMM kernels read block scales in the tiled layout that cuBLAS and ``torch._scaled_mm`` use for block
 scaling: the (rows, K / 16) scale matrix padded to 128 rows x 4 columns tiles, each tile stored as 512
@@ -135,9 +137,16 @@ def _check_offs(offs, scales: torch.Tensor, name: str) -> None:
 
 
 def _finite_abs(x: torch.Tensor) -> torch.Tensor:
-    """|x| in fp32 with NaN as 0 and +-inf left out (as 0): what the amaxes see."""
+    """|x| in fp32 with NaN as 0 and +-inf left out (as 0): what the global scale's amax sees."""
     a = x.float().abs()
     return torch.where(torch.isfinite(a), a, torch.zeros_like(a))
+
+
+def _block_abs(x: torch.Tensor) -> torch.Tensor:
+    """|x| in fp32 with NaN and +-inf as +inf: what a block's amax sees (an infinite amax marks a block
+    with a non-finite value, which gets the NaN scale)."""
+    a = x.float().abs()
+    return torch.where(torch.isfinite(a), a, torch.full_like(a, float("inf")))
 
 
 def global_scale_ref(x: torch.Tensor, *, per_expert: bool = False) -> torch.Tensor:
@@ -273,13 +282,14 @@ def _quantizing_scale(g: torch.Tensor) -> torch.Tensor:
 def _quantize_blocks(
     blocks: torch.Tensor, g0: torch.Tensor, amax: torch.Tensor, rbits: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, ...]:
-    """blocks (..., K / 16, 16) fp32 with their amaxes (..., K / 16, 1) -> (values, scales); with
-    ``rbits`` (blocks' shape, int64 random words) the e2m1 rounding is stochastic."""
+    """blocks (..., K / 16, 16) fp32 with their amaxes (..., K / 16, 1; ``_block_abs``, +inf for a block
+    with a non-finite value) -> (values, scales); with ``rbits`` (blocks' shape, int64 random words) the
+    e2m1 rounding is stochastic."""
     g = _leading(_quantizing_scale(g0), blocks.dim())
     ratio = amax / (E2M1_MAX * g)
-    # a NaN ratio (0 / 0, NaN / NaN) as the positive NaN of the GPU, code 0x7F: the CPU's 0 / 0 has the
-    # sign bit set
-    ratio = torch.where(ratio.isnan(), torch.full_like(ratio, float("nan")), ratio)
+    # a NaN ratio (0 / 0, NaN / NaN) and a non-finite block as the positive NaN of the GPU, code 0x7F:
+    # the CPU's 0 / 0 has the sign bit set
+    ratio = torch.where(ratio.isnan() | amax.isinf(), torch.full_like(ratio, float("nan")), ratio)
     scales = ratio.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     denom = scales.float() * g
     safe = torch.where(denom > 0, denom, torch.ones_like(denom))
@@ -307,7 +317,7 @@ def quantize_ref(
     g0 = global_scale_ref(x) if global_scale is None else global_scale.float()
     blocks = x.float().unflatten(-1, (-1, BLOCK))  # (..., K / 16, 16)
     rbits = random_bits_ref(seed, offset, blocks.shape, x.device) if stochastic else None
-    values, scales = _quantize_blocks(blocks, g0, _finite_abs(blocks).amax(-1, keepdim=True), rbits)
+    values, scales = _quantize_blocks(blocks, g0, _block_abs(blocks).amax(-1, keepdim=True), rbits)
     return values, scales, g0
 
 
@@ -324,7 +334,7 @@ def quantize_weights_ref(
         _check_global_scale(global_scale, w, "nvfp4.quantize_weights")
     g0 = global_scale_ref(w, per_expert=True) if global_scale is None else global_scale.float()
     blocks = w.mT.float().unflatten(-1, (-1, BLOCK))  # (E, N, K / 16, 16)
-    amax = _finite_abs(blocks).amax(-1, keepdim=True)  # (E, N, K / 16, 1)
+    amax = _block_abs(blocks).amax(-1, keepdim=True)  # (E, N, K / 16, 1)
     if block_2d:
         n = amax.shape[1]
         tiles = F.pad(amax, (0, 0, 0, 0, 0, -n % BLOCK)).unflatten(1, (-1, BLOCK)).amax(2)  # (E, N / 16, K / 16, 1)

@@ -434,8 +434,8 @@ def grouped_mm_nvfp4(
     Numerics: ``e2m1 * e4m3`` products are exact in f16 and bf16, so the result is
     ``sum_K (a value * a scale) * (w value * w scale)`` accumulated in fp32, times
     ``a_global * w_global[g]`` in fp32, rounded once to ``out_dtype``; ``grouped_mm_nvfp4_ref`` computes
-    the same in float64. A NaN scale code (0x7F / 0xFF, which ``nvfp4.quantize`` never writes) gives
-    NaN in its rows.
+    the same in float64. A NaN scale code (0x7F / 0xFF, which ``nvfp4.quantize`` writes for a block
+    holding a NaN or an inf) gives NaN in its rows.
 
     Runs the Triton kernels on CUDA (and under ``TRITON_INTERPRET=1``): no host sync, CUDA-graph safe;
     above 64 rows per expert on average with bf16 temporaries of A (M, K) and the weights (E, N, K);
