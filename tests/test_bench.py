@@ -34,3 +34,21 @@ def test_cpu_block_table_has_no_ratios(tmp_path):
     assert "CPU: moekit runs its pure-PyTorch reference" in text and "moekit (reference)" in text
     assert "nan" not in text and "TF/s" not in text and "x |" not in text
     assert (tmp_path / "moe.md").read_text().strip() == text.strip()
+
+
+def test_sweep_table_and_plot_from_rows(tmp_path):
+    """The token-count sweep's table and plot from rows shaped as ``run_shape`` returns them (the
+    timings themselves need a GPU): every column, and the ratios against the torchtitan-style block."""
+    pytest.importorskip("matplotlib")
+    from moekit.bench import sweep
+
+    names = ["moekit", "torchtitan", "graphed", "compiled:default", "compiled:reduce-overhead"]
+    rows = [{"shape": "qwen3-30b-a3b", "tokens": t, "ms": dict(zip(names, [4.0, 6.0, 1.5, 4.2, 1.6], strict=True)),
+             "host": dict(zip(names, [4.1, 5.0, 0.4, 4.3, 0.9], strict=True)), "graph": 1.4} for t in (1024, 4096)]
+    text = sweep.table(rows)
+    head = text.splitlines()[2]
+    assert "moekit.graphed ms (host)" in head and "graphed vs torchtitan" in head and "reduce-overhead ms" in head
+    line = text.splitlines()[4]
+    assert "| 1.50 (0.40) |" in line and "| 4.00x |" in line and "| 1.50x |" in line
+    sweep.plot(rows, str(tmp_path / "sweep.png"))
+    assert (tmp_path / "sweep.png").stat().st_size > 0

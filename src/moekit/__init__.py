@@ -14,6 +14,7 @@ from . import distributed, nvfp4
 from .config import Options, TileConfig, get_options, options, set_options
 from .epilogue import SwiGLU
 from .experts import grouped_mm_downproj, grouped_mm_swiglu, swiglu
+from .graphs import graphed
 from .grouped_gemm import grouped_mm
 from .layers import GptOssExperts, GroupedExperts, MoE
 from .nvfp4 import (
@@ -55,6 +56,7 @@ __all__ = [
     "distributed",
     "gather_rows",
     "get_options",
+    "graphed",
     "grouped_mm",
     "grouped_mm_downproj",
     "grouped_mm_downproj_ref",

@@ -219,10 +219,27 @@ def environment() -> str:
     import triton
 
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
-    return (
+    line = (
         f"{datetime.date.today().isoformat()} | {dev} | torch {torch.__version__} | triton {triton.__version__}"
         f" | CUDA {torch.version.cuda}"
     )
+    command = _command()
+    return line + (f"\n\nCommand: `{command}`" if command else "")
+
+
+def _command() -> str | None:
+    """The ``python -m moekit ...`` command line of this process, without its ``--out`` folder, or None
+    when the process is something else (a script, a test)."""
+    import sys
+
+    argv = list(sys.argv)
+    if not argv or not argv[0].replace("\\", "/").endswith("moekit/__main__.py"):
+        return None
+    args = argv[1:]
+    if "--out" in args:
+        i = args.index("--out")
+        del args[i:i + 2]
+    return " ".join(["python -m moekit", *args])
 
 
 def run_table(run_shape, table, shapes, *, out_md: str | None = None, progress=None) -> str:

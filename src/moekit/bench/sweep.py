@@ -11,6 +11,9 @@ no biases, bf16) and T, one training step (forward, and the gradients of x and e
 - **eager / graph**: 1.0 means the GPU bounds the eager step;
 - **compiled**: the step under ``torch.compile(fullgraph=True)``; **reduce-overhead**: under
   ``torch.compile(fullgraph=True, mode="reduce-overhead")`` (Inductor's CUDA graphs);
+- **moekit.graphed**: a second block with the same weights under :func:`moekit.graphed`, its
+  gradients set to None before each step, so that its backward graph writes them as ``.grad`` (as a
+  training step's first micro-batch does);
 - the torchtitan-style block's eager step and host time, in the same process.
 
 Implementations are interleaved over rotating rounds (``interleaved_ms``); host times are medians of
@@ -23,6 +26,7 @@ import time
 
 import torch
 
+from ..graphs import graphed
 from ..layers import MoE
 from . import BLOCK_SHAPES, MoEShape, environment, graph_ms, interleaved_ms
 from .baselines import TorchtitanMoE
@@ -66,6 +70,15 @@ def _steps(shape: MoEShape, tokens: int, compile_modes: tuple[str, ...]):
         return step
 
     steps = {"moekit": make(moe), "torchtitan": make(base)}
+    torch.manual_seed(0)
+    twin = graphed(MoE(shape.d, shape.f, shape.e, shape.top_k, device="cuda", dtype=torch.bfloat16,
+                       **CONFIGS["plain"]))
+
+    def graphed_step():
+        twin.zero_grad(set_to_none=True)
+        return torch.autograd.grad(twin(x), [x], dy)
+
+    steps["graphed"] = graphed_step
     for mode in compile_modes:
         kw = {} if mode == "default" else {"mode": mode}
         steps[f"compiled:{mode}"] = make(torch.compile(moe, fullgraph=True, **kw), mark=mode == "reduce-overhead")
@@ -89,18 +102,18 @@ def run_shape(shape: MoEShape, tokens: int, compile_modes: tuple[str, ...] = ("d
 
 def table(rows) -> str:
     modes = [k.split(":", 1)[1] for k in rows[0]["ms"] if k.startswith("compiled:")] if rows else []
-    head = ["shape", "T", "eager ms", "host ms", "graph ms", "eager / graph"]
+    head = ["shape", "T", "eager ms", "host ms", "graph ms", "eager / graph", "moekit.graphed ms (host)"]
     head += [f"{m} ms (host)" for m in modes]
-    head += ["torchtitan eager ms (host)", "eager vs torchtitan"]
+    head += ["torchtitan eager ms (host)", "eager vs torchtitan", "graphed vs torchtitan"]
     head += [f"{m} vs torchtitan" for m in modes]
     out = [environment(), "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ms, host = r["ms"], r["host"]
         tt = ms["torchtitan"]
         cells = [r["shape"], str(r["tokens"]), f"{ms['moekit']:.2f}", f"{host['moekit']:.2f}", f"{r['graph']:.2f}",
-                 f"{ms['moekit'] / r['graph']:.2f}"]
+                 f"{ms['moekit'] / r['graph']:.2f}", f"{ms['graphed']:.2f} ({host['graphed']:.2f})"]
         cells += [f"{ms['compiled:' + m]:.2f} ({host['compiled:' + m]:.2f})" for m in modes]
-        cells += [f"{tt:.2f} ({host['torchtitan']:.2f})", f"{tt / ms['moekit']:.2f}x"]
+        cells += [f"{tt:.2f} ({host['torchtitan']:.2f})", f"{tt / ms['moekit']:.2f}x", f"{tt / ms['graphed']:.2f}x"]
         cells += [f"{tt / ms['compiled:' + m]:.2f}x" for m in modes]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
@@ -120,6 +133,7 @@ def plot(rows, path: str) -> None:
         rs = [r for r in rows if r["shape"] == name]
         ts = [r["tokens"] for r in rs]
         series = {"moekit eager": [r["ms"]["moekit"] for r in rs], "moekit graph": [r["graph"] for r in rs],
+                  "moekit.graphed": [r["ms"]["graphed"] for r in rs],
                   "torchtitan eager": [r["ms"]["torchtitan"] for r in rs]}
         for k in rs[0]["ms"]:
             if k.startswith("compiled:"):
