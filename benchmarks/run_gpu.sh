@@ -10,7 +10,7 @@
 #   profile: per-kernel times of one gpt-oss-20b and -120b expert step.
 #   sanitize: compute-sanitizer's four tools over benchmarks/sanitize_set.py (benchmarks/sanitize.sh).
 #   kernels: per-kernel times of one block step of SonicMoE (when carried) and of moekit on each shape of
-#       $SHAPES (default gpt-oss-20b), each in its own process (probes/sonic_kernels.py; SonicMoE's
+#       $SHAPES (default gpt-oss-20b), each in its own process (benchmarks/sonic_kernels.py; SonicMoE's
 #       first call, which autotunes from an empty cache, under a ${SONIC_TIMEOUT:-480} s timeout;
 #       $KERNELS_ARGS adds the probe's arguments, such as "--steady 6" for clocks and power).
 #   ep: expert-parallel weak scaling over every GPU of the machine (benchmarks/ep_scaling.py; two or more
@@ -62,8 +62,8 @@ for step in $steps; do
     profile) for s in gpt-oss-20b gpt-oss-120b; do python3 benchmarks/profile_experts.py --shape $s; done 2>&1 \
       | tee "$OUT/profile.log" ;;
     kernels) for s in ${SHAPES:-gpt-oss-20b}; do
-        [ ${#sonic[@]} -gt 0 ] && timeout "${SONIC_TIMEOUT:-480}" python3 probes/sonic_kernels.py --impl sonic --shape "$s" ${KERNELS_ARGS:-}
-        python3 probes/sonic_kernels.py --impl moekit --shape "$s" ${KERNELS_ARGS:-}
+        [ ${#sonic[@]} -gt 0 ] && timeout "${SONIC_TIMEOUT:-480}" python3 benchmarks/sonic_kernels.py --impl sonic --shape "$s" ${KERNELS_ARGS:-}
+        python3 benchmarks/sonic_kernels.py --impl moekit --shape "$s" ${KERNELS_ARGS:-}
       done 2>&1 | tee "$OUT/kernels.log" ;;
     ep) NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
       python3 benchmarks/ep_scaling.py --chunks 1 --chunks 2 --chunks 4 --profile --out "$OUT/ep_scaling.md" 2>&1 \

@@ -2,7 +2,7 @@
 # compute-sanitizer over moekit's representative kernel set (benchmarks/sanitize_set.py), one run per tool:
 #   bash benchmarks/sanitize.sh [tool ...]   (default: memcheck racecheck synccheck initcheck initcheck-tma)
 # initcheck does not count a TMA store (moekit's Hopper epilogues, and cuBLAS's) as initializing the
-# memory it writes (probes/initcheck_tma.py), so:
+# memory it writes (a one-kernel probe showed it: a TMA store leaves its bytes "uninitialized"), so:
 #   initcheck      runs with MOEKIT_TMA=0, moekit's kernels on their pointer paths; what it still reports
 #                  are torch's kernels reading cuBLAS's outputs (the router's GEMMs). Excluding torch's
 #                  kernels (--kernel-name-exclude) does not help: their writes then go unseen too, and

@@ -27,7 +27,7 @@ WS_DSWIGLU_STEP_ROWS = 4  # rows per step of the dSwiGLU epilogue partition (8 s
 
 def ws_rows_ragged(a, b, out, b_trans: bool) -> bool:
     """Whether a plain rows-ragged GEMM takes the warp-specialized kernel: bf16, >= WS_MIN_ROWS rows
-    per group on average, and weights K-major or K <= N. (probes/ws.py, H100: the kernel wins on every
+    per group on average, and weights K-major or K <= N. (H100: the kernel wins on every
     gpt-oss GEMM but the up-projection's dgrad, K = 2F = 2N with N-major weights, where it trails the
     Triton kernel by 2-3%.)"""
     (m, k), (e, _, n) = a.shape, b.shape

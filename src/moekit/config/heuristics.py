@@ -118,7 +118,7 @@ def swiglu_bwd_blocks() -> tuple[int, int, int, int]:
 
     One program per 16 rows walks all their columns, 64 at a time, with 8 warps: 0.90 of the device
     copy bandwidth on an H100 at gpt-oss-20b and qwen3-30b-a3b sizes, against 0.80-0.83 for a program
-    per 16 x 128 block with 4 warps (``probes/sweep_passes.py``). The interpreter takes small blocks
+    per 16 x 128 block with 4 warps (a tile sweep on an H100). The interpreter takes small blocks
     on the same schedule."""
     return (16, 16, 4, 1) if is_interpreting() else (16, 64, 8, 1)
 
@@ -149,7 +149,7 @@ def nvfp4_gemm_config(m: int, e: int, device: torch.device, packed: bool = False
     of four chunks 0.177, of eight 0.160, three of eight 0.157, one program at 160 registers with 3 or
     4 stages of four chunks 0.163 and 0.157); for 64 rows one program at 160 registers, two chunks, 4
     stages (0.192-0.203 ms; four chunks with 3 or 4 stages 0.206 and 0.203, two programs at 104
-    registers with two stages of four or eight chunks 0.214 and 0.203). `probes/nvfp4_ws.py`, H100,
+    registers with two stages of four or eight chunks 0.214 and 0.203). H100,
     CUDA-graph replays.
 
     The transposed tile (``swap``): 128 weight rows by an M tile of 16, 32 or 64 rows, the smallest that

@@ -61,7 +61,7 @@ E4M3_MAX = 448.0
 BLOCK = 16  # elements per block scale
 TILE_ROWS, TILE_COLS = 128, 4  # the swizzled scale tile
 # The Gluon quantize kernel's tile (rows, 16-element blocks per row, warps) and its persistent programs
-# per SM: the fastest of a sweep on an H100 (probes/quantize_kernels.py, bench/results/h100/nvfp4_quantize.md)
+# per SM: the fastest of a sweep on an H100 (docs/design.md)
 QUANTIZE_TILE = (128, 8, 16)
 QUANTIZE_PROGRAMS_PER_SM = 2  # fp32, fp16 and bf16 inputs off the word path
 QUANTIZE_WORDS_PROGRAMS_PER_SM = 1  # bf16 read as words (one program of 16 warps fits an SM's registers)

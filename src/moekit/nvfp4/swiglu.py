@@ -45,7 +45,7 @@ from .formats import BLOCK, _describe, _device_scale, _run, deinterleave8_ref, q
 
 LAYOUTS = ("interleaved", "halves", "interleaved8")
 # The Gluon SwiGLU -> NVFP4 kernel's tile (rows, 16-element blocks of h per row, warps) and its
-# persistent programs per SM (probes/quantize_kernels.py, bench/results/h100/nvfp4_quantize.md): for a
+# persistent programs per SM (a sweep on an H100, docs/design.md): for a
 # bf16 pre-activation, whose h the kernel quantizes as 32-bit words, and for fp16 / fp32 (element by
 # element, the fastest tile of that path)
 SWIGLU_QUANTIZE_TILE = {True: (128, 8, 16), False: (64, 8, 16)}

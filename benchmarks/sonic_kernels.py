@@ -1,8 +1,8 @@
 """Per-kernel GPU times of one training step (forward + backward) of SonicMoE's block and of moekit's, on
 one shape, in separate processes on the same GPU: where SonicMoE's step is shorter.
 
-    python probes/sonic_kernels.py --impl sonic --shape gpt-oss-20b    # needs sonicmoe importable
-    python probes/sonic_kernels.py --impl moekit --shape gpt-oss-20b
+    python benchmarks/sonic_kernels.py --impl sonic --shape gpt-oss-20b    # needs sonicmoe importable
+    python benchmarks/sonic_kernels.py --impl moekit --shape gpt-oss-20b
 
 Plain SwiGLU, no biases, each block's own router, bf16, T from the benchmark's shape. The step is
 profiled (``torch.profiler``) after its first calls (SonicMoE's first call autotunes its GEMMs), and the
