@@ -5,7 +5,7 @@ A kernel whose wgmmas ptxas serializes (``C7515``: it finds a non-wgmma instruct
 accumulator registers inside a pipeline stage, anywhere in the function) still computes the right
 bits, so no GPU test would see it; it runs 7-19% slower. Two branches of the consumers' loop that
 differ only in constant shared-memory offsets, which the compiler merges, are enough to cause it
-(docs/design.md, section 11: narrow tiles)."""
+(docs/design.md, section 12: Triton pitfalls)."""
 
 import os
 import subprocess
