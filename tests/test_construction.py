@@ -4,9 +4,11 @@ where the user passes them (naming them), and an empty batch is a result, not an
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import moekit
 from moekit import GptOssExperts, GroupedExperts, MoE
+from moekit.integrations import HFGptOssExperts
 from moekit.nvfp4 import TrainingRecipe
 
 BF16 = torch.bfloat16
@@ -98,14 +100,99 @@ BAD = {  # constructor call -> (error, what the message must name)
                                         "swiglu_limit"),
     "a NaN alpha": (lambda: MoE(32, 16, 4, 2, swiglu_alpha=float("nan")), ValueError, "swiglu_alpha"),
     "a misspelled keyword (hidden=)": (lambda: MoE(32, 16, 4, 2, hidden=3), TypeError, "hidden"),
+    # NVFP4 quantizes dim and hidden_dim in blocks of 16 (nvfp4.quantize refused it at the first forward)
+    "nvfp4 with hidden_dim 24": (lambda: MoE(32, 24, 4, 2, nvfp4=True), ValueError, "^MoE: with nvfp4, hidden_dim"),
+    "nvfp4 with dim 24": (lambda: GroupedExperts(24, 32, 4, nvfp4=TrainingRecipe(seed=1)), ValueError,
+                          "^GroupedExperts: with nvfp4, dim"),
+    "nvfp4 as a string": (lambda: MoE(32, 32, 4, 2, nvfp4="nvfp4"), TypeError, "^MoE: nvfp4"),
+    "nvfp4 with float64 parameters": (lambda: MoE(32, 32, 4, 2, nvfp4=True, dtype=torch.float64), TypeError,
+                                      "^MoE: dtype"),
+    # flags that a string or a tensor would pass as true
+    "a string bias": (lambda: MoE(32, 16, 4, 2, bias="False"), TypeError, "^MoE: bias"),
+    "a string router_bias": (lambda: MoE(32, 16, 4, 2, router_bias="False"), TypeError, "^MoE: router_bias"),
+    "a tensor renormalize": (lambda: MoE(32, 16, 4, 2, renormalize=torch.tensor(0)), TypeError, "^MoE: renormalize"),
+    "a string aux_loss": (lambda: MoE(32, 16, 4, 2, aux_loss="no"), TypeError, "^MoE: aux_loss"),
+    "a string bias on the experts": (lambda: GptOssExperts(32, 16, 4, bias="no"), TypeError, "^GptOssExperts: bias"),
+    # dtypes the parameters cannot be (failed inside nn.Parameter or init, naming neither)
+    "integer parameters": (lambda: MoE(32, 16, 4, 2, dtype=torch.int32), TypeError, "^MoE: dtype"),
+    "complex parameters": (lambda: GroupedExperts(32, 16, 4, dtype=torch.complex64), TypeError,
+                           "^GroupedExperts: dtype"),
+    "a dtype by name": (lambda: MoE(32, 16, 4, 2, dtype="bfloat16"), TypeError, "^MoE: dtype"),
+    # SwiGLU settings the message already called finite, or that failed deep inside
+    "an infinite alpha": (lambda: MoE(32, 16, 4, 2, swiglu_alpha=float("inf")), ValueError, "^MoE: swiglu_alpha"),
+    "an infinite linear offset": (lambda: MoE(32, 16, 4, 2, swiglu_linear_offset=float("inf")), ValueError,
+                                  "^MoE: swiglu_linear_offset"),
+    "a clamp given as a string": (lambda: MoE(32, 16, 4, 2, swiglu_limit="7"), ValueError, "^MoE: swiglu_limit"),
+    "a clamp given as True": (lambda: MoE(32, 16, 4, 2, swiglu_limit=True), ValueError, "^MoE: swiglu_limit"),
+    # TrainingRecipe: flags, and a seed that failed at the first stochastically rounded backward
+    "a recipe with a negative seed": (lambda: TrainingRecipe(seed=-1), ValueError, "^TrainingRecipe: seed"),
+    "a recipe with a seed past 2^63": (lambda: TrainingRecipe(seed=2**63), ValueError, "^TrainingRecipe: seed"),
+    "a recipe with a float seed": (lambda: TrainingRecipe(seed=1.5), ValueError, "^TrainingRecipe: seed"),
+    "a recipe with a string flag": (lambda: TrainingRecipe(random_hadamard="no"), TypeError,
+                                    "^TrainingRecipe: random_hadamard"),
+    # HFGptOssExperts(original): what its forward would refuse, named by original's attribute
+    "HF experts with F = 12": (lambda: HFGptOssExperts(_HFStandIn(f=12)), ValueError,
+                               r"^HFGptOssExperts: F \(original.down_proj"),
+    "HF experts with D = 20": (lambda: HFGptOssExperts(_HFStandIn(d=20)), ValueError,
+                               r"^HFGptOssExperts: D \(original.gate_up_proj"),
+    "HF experts with a negative limit": (lambda: HFGptOssExperts(_HFStandIn(limit=-7.0)), ValueError,
+                                         "^HFGptOssExperts: original.limit"),
+    "HF experts with a NaN alpha": (lambda: HFGptOssExperts(_HFStandIn(alpha=float("nan"))), ValueError,
+                                    "^HFGptOssExperts: original.alpha"),
+    "HF experts with mismatched projections": (lambda: HFGptOssExperts(_HFStandIn(down_f=16)), ValueError,
+                                               "^HFGptOssExperts: original.gate_up_proj"),
 }
+
+
+class _HFStandIn(nn.Module):
+    """transformers' GptOssExperts parameters and attributes, without transformers."""
+
+    def __init__(self, d=32, f=24, e=4, limit=7.0, alpha=1.702, down_f=None):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.zeros(e, d, 2 * f))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * f))
+        self.down_proj = nn.Parameter(torch.zeros(e, down_f or f, d))
+        self.down_proj_bias = nn.Parameter(torch.zeros(e, d))
+        self.alpha, self.limit = alpha, limit
 
 
 @pytest.mark.parametrize("case", BAD)
 def test_bad_arguments_are_refused_at_construction(case):
+    """The same error on the kernels and on the reference: nothing has run yet."""
     make, error, names = BAD[case]
-    with pytest.raises(error, match=names):
-        make()
+    for reference in (False, True):
+        with moekit.options(reference=reference), pytest.raises(error, match=names):
+            make()
+
+
+def test_the_checks_accept_what_runs():
+    """Every configuration the blocks run passes the checks: parameters in each floating dtype (not
+    float64 with NVFP4), NVFP4 at multiples of 16, no clamp (None or +inf), the largest Philox seed."""
+    for kw in (dict(dtype=torch.float64), dict(dtype=torch.float16), dict(), dict(swiglu_limit=None),
+               dict(swiglu_limit=float("inf")), dict(nvfp4=TrainingRecipe(seed=2**63 - 1)),
+               dict(nvfp4=False, dtype=torch.float64), dict(nvfp4=True, dtype=torch.float32)):
+        MoE(32, 32, 4, 2, **kw)
+        GroupedExperts(32, 32, 4, **kw)
+    assert HFGptOssExperts(_HFStandIn()).limit == 7.0
+
+
+def test_expert_parallel_checks_its_arguments(tmp_path):
+    from moekit.distributed import ExpertParallelMoE
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        for make, error, names in (
+            (lambda: ExpertParallelMoE(32, 24, 4, 2, chunks=True), ValueError, "^ExpertParallelMoE: chunks"),
+            (lambda: ExpertParallelMoE(32, 24, 4, 2, aux_loss="yes"), TypeError, "^ExpertParallelMoE: aux_loss"),
+            (lambda: ExpertParallelMoE(32, 24, 4, 2, bias="no"), TypeError, "^ExpertParallelMoE: bias"),
+            (lambda: ExpertParallelMoE(32, 24, 4, 2, nvfp4=True), ValueError,
+             "^ExpertParallelMoE: with nvfp4, hidden_dim"),
+            (lambda: ExpertParallelMoE(32, 24, 4, 2, dtype=torch.int8), TypeError, "^ExpertParallelMoE: dtype"),
+        ):
+            with pytest.raises(error, match=names):
+                make()
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("out_dtype", [None, torch.float32])

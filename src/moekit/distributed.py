@@ -336,9 +336,9 @@ class ExpertParallelMoE(RoutedBlock):
     ):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ExpertParallelMoE: torch.distributed is not initialized (dist.init_process_group)")
-        super().__init__("ExpertParallelMoE", dim, hidden_dim, num_experts, top_k, activation=activation,
+        super().__init__("ExpertParallelMoE", dim, hidden_dim, num_experts, top_k, bias=bias, activation=activation,
                          router_bias=router_bias, score_func=score_func, renormalize=renormalize, aux_loss=aux_loss,
-                         device=device, experts_kw=experts_kw)
+                         device=device, dtype=dtype, experts_kw=experts_kw)
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -347,7 +347,7 @@ class ExpertParallelMoE(RoutedBlock):
                              f"size ({self.world})")
         if splits not in SPLITS:
             raise ValueError(f"ExpertParallelMoE: splits must be one of {SPLITS}, got {splits!r}")
-        if not isinstance(chunks, int) or chunks < 1:
+        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
             raise ValueError(f"ExpertParallelMoE: chunks must be an int >= 1, got {chunks!r}")
         self.splits, self.chunks = splits, chunks
         self.num_experts, self.local_experts = num_experts, num_experts // self.world

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .experts import grouped_mm_downproj, grouped_mm_swiglu
-from .layers import ACTIVATIONS, GptOssExperts
+from .layers import ACTIVATIONS, ROW_ALIGN, GptOssExperts, check_number
 from .routing import combine, routing_metadata
 from .validation import autocast
 
@@ -106,6 +106,27 @@ def register_hf_experts() -> str:
     return HF_EXPERTS_IMPLEMENTATION
 
 
+def _check_hf_gpt_oss(original: nn.Module) -> None:
+    """What ``HFGptOssExperts(original)`` can check before any forward, naming ``original``'s attribute:
+    ``gate_up_proj`` (E, D, 2F) and ``down_proj`` (E, F, D), D and F multiples of 8 (as
+    :class:`moekit.GroupedExperts` needs: the kernels read 16-byte aligned rows of 16-bit elements), a
+    finite ``alpha`` and a positive ``limit``."""
+    name = "HFGptOssExperts"
+    up, down = original.gate_up_proj, original.down_proj
+    if up.dim() != 3 or up.shape[2] % 2 or tuple(down.shape) != (up.shape[0], up.shape[2] // 2, up.shape[1]):
+        raise ValueError(f"{name}: original.gate_up_proj must be (E, D, 2F) and original.down_proj (E, F, D), got "
+                         f"{tuple(up.shape)} and {tuple(down.shape)}")
+    for what, v in (("D (original.gate_up_proj.shape[1])", up.shape[1]), ("F (original.down_proj.shape[1])",
+                                                                          down.shape[1])):
+        if v % ROW_ALIGN:
+            raise ValueError(f"{name}: {what} must be a multiple of {ROW_ALIGN}, got {v}: the expert kernels read "
+                             f"rows of 16-bit elements at 16-byte alignment")
+    alpha, limit = (v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v
+                    for v in (original.alpha, original.limit))
+    check_number(name, "original.alpha", alpha)
+    check_number(name, "original.limit", limit, positive=True)
+
+
 class HFGptOssExperts(nn.Module):
     """moekit's kernels behind transformers' ``GptOssExperts`` interface and parameters.
 
@@ -116,6 +137,7 @@ class HFGptOssExperts(nn.Module):
 
     def __init__(self, original: nn.Module):
         super().__init__()
+        _check_hf_gpt_oss(original)
         self.gate_up_proj = original.gate_up_proj
         self.gate_up_proj_bias = original.gate_up_proj_bias
         self.down_proj = original.down_proj

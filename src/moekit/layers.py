@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 from torch import nn
 
 from .epilogue import LAYOUTS
 from .experts import TAILS, grouped_mm_downproj, grouped_mm_swiglu
-from .nvfp4.train import NVFP4Training
+from .nvfp4.formats import BLOCK as NVFP4_BLOCK
+from .nvfp4.train import NVFP4Training, TrainingRecipe
 from .routing import Routing, check_router_args, combine, sorted_weights, topk_router
 from .validation import autocast, unit_columns
 
@@ -16,20 +20,60 @@ ACTIVATIONS = {
     "swiglu": dict(swiglu_alpha=1.0, swiglu_limit=None, swiglu_linear_offset=0.0),  # silu(gate) * up
 }
 ROW_ALIGN = 8  # elements: the kernels read rows of D and F 16-bit elements at 16-byte alignment
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # cast to x's 16-bit dtype for the GEMMs
+NVFP4_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what nvfp4.quantize_weights reads
+
+
+def check_flags(owner: str, **flags) -> None:
+    """Boolean constructor arguments: a string ("False") or a tensor in their place would read as true."""
+    for name, v in flags.items():
+        if not isinstance(v, bool):
+            raise TypeError(f"{owner}: {name} must be a bool, got {type(v).__name__} {v!r}")
+
+
+def check_number(owner: str, name: str, v, *, positive: bool = False, none_ok: bool = False) -> None:
+    """A real number (not a bool): finite, or with ``positive`` > 0 (+inf included: a clamp at +inf is
+    none); ``none_ok``: or None."""
+    if none_ok and v is None:
+        return
+    ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and v == v
+    if not (ok and (v > 0 if positive else math.isfinite(v))):
+        want = ("a positive number" if positive else "a finite number") + (" or None" if none_ok else "")
+        raise ValueError(f"{owner}: {name} must be {want}, got {v!r}")
 
 
 def check_expert_args(owner: str, dim, hidden_dim, num_experts, activation: str, gate_up_layout: str,
-                      swiglu: dict) -> dict:
+                      swiglu: dict, *, bias: bool = False, dtype=None, nvfp4=None) -> dict:
     """Check the experts' constructor arguments where the user passed them, and return the SwiGLU
     keywords they resolve to. The same checks on every device, so that a module the CPU reference
-    accepts runs on the kernels too."""
+    accepts runs on the kernels too.
+
+    ``dim`` and ``hidden_dim`` are multiples of 8 (the kernels read 16-byte aligned rows of 16-bit
+    elements), of 16 with ``nvfp4`` (its operands are quantized in blocks of 16 along both); ``dtype``
+    (None: torch's default dtype) is a floating dtype the experts cast from, not float64 with ``nvfp4``."""
     for name, v in (("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{owner}: {name} must be an int >= 1, got {v!r}")
+    check_flags(owner, bias=bias)
+    quantized = nvfp4 is not None and nvfp4 is not False
+    if quantized and nvfp4 is not True and not isinstance(nvfp4, TrainingRecipe):
+        raise TypeError(f"{owner}: nvfp4 must be a bool or a moekit.nvfp4.TrainingRecipe, got {type(nvfp4).__name__}")
     for name, v in (("dim", dim), ("hidden_dim", hidden_dim)):
         if v % ROW_ALIGN:
             raise ValueError(f"{owner}: {name} must be a multiple of {ROW_ALIGN}, got {v}: the expert kernels "
                              f"read rows of {name} 16-bit elements at 16-byte alignment")
+        if quantized and v % NVFP4_BLOCK:
+            raise ValueError(f"{owner}: with nvfp4, {name} must be a multiple of {NVFP4_BLOCK}, got {v}: NVFP4 "
+                             f"quantizes the expert GEMMs' operands in blocks of {NVFP4_BLOCK} along dim and "
+                             f"hidden_dim")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{owner}: dtype must be a torch.dtype or None, got {type(dtype).__name__} {dtype!r}")
+    allowed = NVFP4_DTYPES if quantized else PARAM_DTYPES
+    resolved = torch.get_default_dtype() if dtype is None else dtype
+    if resolved not in allowed:
+        what = f"{resolved} (torch's default dtype)" if dtype is None else str(resolved)
+        raise TypeError(f"{owner}: dtype must be one of {[str(d) for d in allowed]}"
+                        f"{' with nvfp4' if quantized else ''}, got {what}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"{owner}: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     unknown = set(swiglu) - set(ACTIVATIONS["swiglu"])
@@ -38,13 +82,9 @@ def check_expert_args(owner: str, dim, hidden_dim, num_experts, activation: str,
     resolved = {**ACTIVATIONS[activation], **swiglu}
     if gate_up_layout not in LAYOUTS:
         raise ValueError(f"{owner}: gate_up_layout must be one of {LAYOUTS}, got {gate_up_layout!r}")
-    limit = resolved["swiglu_limit"]
-    if limit is not None and not limit > 0:
-        raise ValueError(f"{owner}: swiglu_limit must be positive or None, got {limit!r}")
+    check_number(owner, "swiglu_limit", resolved["swiglu_limit"], positive=True, none_ok=True)
     for name in ("swiglu_alpha", "swiglu_linear_offset"):
-        v = resolved[name]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-            raise ValueError(f"{owner}: {name} must be a finite number, got {v!r}")
+        check_number(owner, name, resolved[name])
     return {**resolved, "gate_up_layout": gate_up_layout}
 
 
@@ -92,7 +132,7 @@ class GroupedExperts(nn.Module):
     ):
         super().__init__()
         self.swiglu = check_expert_args(type(self).__name__, dim, hidden_dim, num_experts, activation, gate_up_layout,
-                                        swiglu)
+                                        swiglu, bias=bias, dtype=dtype, nvfp4=nvfp4)
         kw = dict(device=device, dtype=dtype)
         self.num_experts, self.dim, self.hidden_dim = num_experts, dim, hidden_dim
         self.mlp1_weight_EGD = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim, **kw))
@@ -167,13 +207,16 @@ class RoutedBlock(nn.Module):
     :class:`moekit.distributed.ExpertParallelMoE` shards them over a process group. A subclass
     registers ``self.experts`` after this constructor, so the state dict's keys are the same for both."""
 
-    def __init__(self, owner: str, dim: int, hidden_dim: int, num_experts: int, top_k: int, *, activation: str,
-                 router_bias: bool, score_func: str, renormalize: bool, aux_loss: bool, device, experts_kw: dict):
+    def __init__(self, owner: str, dim: int, hidden_dim: int, num_experts: int, top_k: int, *, bias: bool,
+                 activation: str, router_bias: bool, score_func: str, renormalize: bool, aux_loss: bool, device,
+                 dtype, experts_kw: dict):
         super().__init__()
         check_router_args(owner, num_experts, top_k, score_func)
         check_expert_args(owner, dim, hidden_dim, num_experts, activation,
                           experts_kw.get("gate_up_layout", "interleaved"),
-                          {k: v for k, v in experts_kw.items() if k not in ("gate_up_layout", "nvfp4")})
+                          {k: v for k, v in experts_kw.items() if k not in ("gate_up_layout", "nvfp4")},
+                          bias=bias, dtype=dtype, nvfp4=experts_kw.get("nvfp4"))
+        check_flags(owner, router_bias=router_bias, renormalize=renormalize, aux_loss=aux_loss)
         self.top_k, self.score_func, self.renormalize, self.use_aux_loss = top_k, score_func, renormalize, aux_loss
         self.router = nn.Linear(dim, num_experts, bias=router_bias, device=device, dtype=torch.float32)
         self.register_buffer("expert_bias", torch.zeros(num_experts, device=device), persistent=True)
@@ -257,9 +300,9 @@ class MoE(RoutedBlock):
         dtype=None,
         **experts_kw,
     ):
-        super().__init__("MoE", dim, hidden_dim, num_experts, top_k, activation=activation, router_bias=router_bias,
-                         score_func=score_func, renormalize=renormalize, aux_loss=aux_loss, device=device,
-                         experts_kw=experts_kw)
+        super().__init__("MoE", dim, hidden_dim, num_experts, top_k, bias=bias, activation=activation,
+                         router_bias=router_bias, score_func=score_func, renormalize=renormalize, aux_loss=aux_loss,
+                         device=device, dtype=dtype, experts_kw=experts_kw)
         self.experts = GroupedExperts(dim, hidden_dim, num_experts, bias=bias, activation=activation,
                                       device=device, dtype=dtype, **experts_kw)
 
@@ -275,4 +318,7 @@ class MoE(RoutedBlock):
         return combine(ys, r.weights, r.row_of).reshape(shape)
 
 
-__all__ = ["ACTIVATIONS", "GptOssExperts", "GroupedExperts", "MoE", "RoutedBlock", "check_expert_args"]
+__all__ = [
+    "ACTIVATIONS", "GptOssExperts", "GroupedExperts", "MoE", "RoutedBlock", "check_expert_args", "check_flags",
+    "check_number",
+]

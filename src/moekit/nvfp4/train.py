@@ -64,6 +64,17 @@ class TrainingRecipe:
     random_hadamard: bool = True
     seed: int | None = None
 
+    def __post_init__(self):
+        """Checked here, not at the first forward or backward: a flag given as a string ("no") would read as
+        true, and a seed outside Philox's [0, 2^63) fails only at the first stochastically rounded gradient."""
+        for name in ("weight_block_2d", "stochastic_rounding", "random_hadamard"):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise TypeError(f"TrainingRecipe: {name} must be a bool, got {type(v).__name__} {v!r}")
+        seed = self.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+            raise ValueError(f"TrainingRecipe: seed must be None or an int in [0, 2^63) (a Philox seed), got {seed!r}")
+
 
 # --------------------------------------------------------------------------------------------------
 # the random Hadamard transform
