@@ -34,6 +34,19 @@ class _NoGradientToH(torch.autograd.Function):
         raise RuntimeError(H_GRADIENT_ERROR)
 
 
+class _ValuesWithGradientOf(torch.autograd.Function):
+    """``h``'s values with ``s``'s gradient (the fused down-projection's contract). The same as
+    ``h.detach() + (s - s.detach())`` for finite values, but an inf of h stays inf (inf - inf is NaN)."""
+
+    @staticmethod
+    def forward(ctx, h, s):
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad
+
+
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
@@ -139,7 +152,7 @@ def grouped_mm_downproj_ref(
     if aux_biased_acc is not None:
         spec = SwiGLU(swiglu_alpha, swiglu_limit, swiglu_linear_offset, gate_up_layout)
         s = _scaled_swiglu(aux_biased_acc, spec, row_scale, offs, h.dtype)
-        h = h.detach() + (s - s.detach())  # h's values, SwiGLU(aux)'s gradient
+        h = _ValuesWithGradientOf.apply(h.detach(), s)  # h's values, SwiGLU(aux)'s gradient
     cdt = _compute_dtype(h, w_down)
     out = grouped_mm_ref(h, w_down, offs, out_dtype=cdt)
     if bias is not None:

@@ -542,8 +542,15 @@ def _router_logits_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     to near-ties), in one GEMM with fp32 accumulation and output, and no fp32 copy of x. A custom op,
     so that torch.compile keeps the fp32 output instead of decomposing it."""
     e = weight.shape[0]
-    both = torch.mm(x, _split_bf16(weight.float()).t(), out_dtype=torch.float32)  # (T, 2E)
-    logits = both[:, :e] + both[:, e:]
+    split = _split_bf16(weight.float())
+    if x.is_cuda:
+        both = torch.mm(x, split.t(), out_dtype=torch.float32)  # (T, 2E)
+    else:  # (mm's out_dtype form is CUDA's; the same exact bf16 products, for tests of this arithmetic)
+        both = x.float() @ split.float().t()
+    hi, lo = both[:, :e], both[:, e:]
+    # an inf in x makes x.hi an inf of w's sign, the fp32 product's; x.lo may be an inf of the other
+    # sign (lo holds hi's rounding error) or NaN (inf * a zero lo), which would make the sum NaN
+    logits = torch.where(hi.isinf(), hi, hi + lo)
     return logits if bias is None else logits + bias.float()
 
 
