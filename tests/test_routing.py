@@ -6,6 +6,7 @@ Routing and permutations must match exactly; numerics against float64 within PyT
 import pytest
 import torch
 
+import moekit
 from moekit import MoE, combine, combine_ref, gather_rows, router_topk_ref, routing_metadata_ref, topk_router
 from moekit.bench.baselines import TorchtitanMoE
 from moekit.routing import (
@@ -439,3 +440,21 @@ def test_routing_metadata_drops_ids_outside_the_experts(interpreter, reference):
     assert (row_of[bad] >= offs[-1]).all() and (row_of[~bad] < offs[-1]).all()
     assert sorted(row_of.flatten().tolist()) == list(range(150))  # a permutation: every row written once
     assert torch.equal(token_idx[row_of.flatten().long()], torch.arange(150, dtype=torch.int32) // 3)
+
+
+def test_dispatch_is_the_routing_rows_whole():
+    """``routing_metadata`` returns a ``Dispatch`` that unpacks as its old 4-tuple, ``Routing.dispatch`` is
+    the router's, and ``GroupedExperts.routed`` on it is the permute-free ``forward`` with its tensors."""
+    torch.manual_seed(0)
+    x = torch.randn(12, 32, dtype=torch.bfloat16)
+    r = moekit.topk_router(x, torch.randn(4, 32), None, top_k=2)
+    d = moekit.routing_metadata(r.experts, 4)
+    counts, offs, token_idx, row_of = d
+    assert isinstance(d, moekit.Dispatch) and d.counts is counts and d.row_of is row_of
+    for a, b in zip(d, r.dispatch, strict=True):
+        assert torch.equal(a, b)
+    experts = moekit.GroupedExperts(32, 16, 4, dtype=torch.bfloat16)
+    with moekit.options(reference=True):
+        got = experts.routed(x, r.dispatch)
+        want = experts(x, r.counts, r.token_idx, r.row_of, None, r.offs)
+    assert torch.equal(got, want) and got.shape == (r.token_idx.numel(), 32)

@@ -29,6 +29,7 @@ from .nvfp4 import (
 )
 from .reference import grouped_mm_downproj_ref, grouped_mm_ref, grouped_mm_swiglu_ref, swiglu_ref
 from .routing import (
+    Dispatch,
     Routing,
     combine,
     combine_ref,
@@ -48,6 +49,7 @@ __all__ = [
     "GroupedExperts",
     "MoE",
     "Options",
+    "Dispatch",
     "Routing",
     "SwiGLU",
     "TileConfig",

@@ -88,6 +88,7 @@ from torch import nn
 
 from .layers import GroupedExperts, RoutedBlock
 from .routing import (
+    Dispatch,
     Routing,
     combine,
     gather_token_rows,
@@ -518,20 +519,20 @@ class ExpertParallelMoE(RoutedBlock):
         meta = all_to_all_wait(c.meta, c.ex_meta)
         weights = meta[:, :k]
         ids = meta[:, k:].detach().contiguous().view(torch.int32) - 1
-        counts, offs, token_idx, row_of = routing_metadata(ids, self.local_experts)  # -1 (other ranks): dropped
+        d = routing_metadata(ids, self.local_experts)  # -1 (other ranks): dropped
         if c.pairs is not None:  # host splits: the rows of this rank's choices only, the others absent
             rows = c.pairs
-            scale = sorted_weights(weights, row_of)[:rows] if scaled else None
-            token_idx, row_of = token_idx[:rows], torch.where(row_of < rows, row_of, -1)
+            scale = sorted_weights(weights, d.row_of)[:rows] if scaled else None
+            d = Dispatch(d.counts, d.offs, d.token_idx[:rows], torch.where(d.row_of < rows, d.row_of, -1))
             tail = "zeros"
         else:  # device splits: every choice keeps a row, those of other ranks' experts past offs[-1],
             # marked absent, so that the routing weights, the combine and their backward skip them; the
             # experts leave those rows unwritten (nothing reads them) instead of writing zeros
-            row_of = torch.where(row_of < offs[-1], row_of, -1)
-            scale = sorted_weights(weights, row_of) if scaled else None
+            d = Dispatch(d.counts, d.offs, d.token_idx, torch.where(d.row_of < d.offs[-1], d.row_of, -1))
+            scale = sorted_weights(weights, d.row_of) if scaled else None
             tail = "unwritten"
-        y = self.experts(x_recv, counts, token_idx, row_of, scale, offs, tail=tail)
-        part = combine(y, None if scaled else weights, row_of)  # (N, D) this rank's share of each token
+        y = self.experts.routed(x_recv, d, scale, tail=tail)
+        part = combine(y, None if scaled else weights, d.row_of)  # (N, D) this rank's share of each token
         c.back = c.ex.reverse()
         c.out = all_to_all_start(part, c.back)
 

@@ -12,7 +12,7 @@ from .epilogue import LAYOUTS
 from .experts import TAILS, grouped_mm_downproj, grouped_mm_swiglu
 from .nvfp4.formats import BLOCK as NVFP4_BLOCK
 from .nvfp4.train import NVFP4Training, TrainingRecipe
-from .routing import Routing, check_router_args, combine, sorted_weights, topk_router
+from .routing import Dispatch, Routing, check_router_args, combine, sorted_weights, topk_router
 from .validation import autocast, unit_columns
 
 ACTIVATIONS = {
@@ -111,6 +111,8 @@ class GroupedExperts(nn.Module):
     counts where the caller has them (``Routing.offs``), saves their recomputation. ``tail="unwritten"``
     leaves the rows past ``sum(counts)`` unwritten, in the output and in the gradients, for a caller
     that reads none of them (:func:`moekit.grouped_mm_swiglu`; the NVFP4 path writes zeros anyway).
+    ``routed(x_TD, dispatch, row_scale_R=None, tail="zeros")`` is the permute-free call with a routing's
+    :class:`moekit.Dispatch` whole (``Routing.dispatch``, or :func:`moekit.routing_metadata`'s result).
 
     ``nvfp4``: True or a :class:`moekit.nvfp4.TrainingRecipe` runs the two expert GEMMs and their
     backward on emulated NVFP4 operands (``moekit.nvfp4.train``); the parameters stay as they are.
@@ -156,6 +158,14 @@ class GroupedExperts(nn.Module):
     def init_weights(self, init_std: float = 0.02) -> None:
         """torchtitan's name for :meth:`reset_parameters` (its ``MoE.init_weights`` calls it on the experts)."""
         self.reset_parameters(init_std)
+
+    def routed(self, x_TD: torch.Tensor, dispatch: Dispatch, row_scale_R: torch.Tensor | None = None,
+               tail: str = "zeros") -> torch.Tensor:
+        """The experts on a routing's rows, permute-free: x (T, D) tokens in token order, each sorted row
+        read from its token (``dispatch.token_idx``) -> (R, D) in expert-sorted order, for
+        ``combine(y, weights, dispatch.row_of)``. ``row_scale_R`` and ``tail`` as in ``forward``, which it
+        calls through the module (its hooks run: FSDP2 gathers the parameters there)."""
+        return self(x_TD, dispatch.counts, dispatch.token_idx, dispatch.row_of, row_scale_R, dispatch.offs, tail)
 
     def forward(
         self,
@@ -312,9 +322,9 @@ class MoE(RoutedBlock):
         r = self.route(x2)
         if self.experts.mlp2_bias_ED is None:  # weights applied before the (linear) down-projection
             scale = sorted_weights(r.weights, r.row_of)
-            ys = self.experts(x2, r.counts, r.token_idx, r.row_of, scale, r.offs)  # permute-free: no copy of x
+            ys = self.experts.routed(x2, r.dispatch, scale)  # permute-free: no copy of x
             return combine(ys, None, r.row_of).reshape(shape)
-        ys = self.experts(x2, r.counts, r.token_idx, r.row_of, None, r.offs)
+        ys = self.experts.routed(x2, r.dispatch)
         return combine(ys, r.weights, r.row_of).reshape(shape)
 
 

@@ -15,6 +15,7 @@ deterministic forward and backward, no atomics.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -38,6 +39,20 @@ from .validation import unit_columns
 _BLOCK = 128  # routed entries per program of the metadata kernels
 
 
+class Dispatch(NamedTuple):
+    """Where a routing's rows go: the expert-sorted order that the expert ops and :func:`combine` read.
+
+    ``counts`` / ``offs`` (E,) int32 rows per expert and cumulative row ends; ``token_idx`` (R,) int32
+    the token of each sorted row; ``row_of`` (T, K) int32 the sorted row of each choice (negative:
+    absent). :func:`routing_metadata` returns one (it unpacks as the 4-tuple it was), and
+    :attr:`Routing.dispatch` is a router's."""
+
+    counts: torch.Tensor
+    offs: torch.Tensor
+    token_idx: torch.Tensor
+    row_of: torch.Tensor
+
+
 @dataclass
 class Routing:
     """The result of :func:`topk_router`.
@@ -54,6 +69,11 @@ class Routing:
     token_idx: torch.Tensor
     row_of: torch.Tensor
     aux_loss: torch.Tensor | None = None
+
+    @property
+    def dispatch(self) -> Dispatch:
+        """The routing's rows as one :class:`Dispatch` (what ``GroupedExperts.routed`` takes)."""
+        return Dispatch(self.counts, self.offs, self.token_idx, self.row_of)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -609,9 +629,9 @@ def _metadata(experts: torch.Tensor, num_experts: int):
     return meta(experts.to(torch.int32), num_experts)
 
 
-def routing_metadata(experts: torch.Tensor, num_experts: int):
-    """(counts (E,), offs (E,), token_idx (R,), row_of (T, K)), all int32, for (T, K) expert ids chosen
-    elsewhere (e.g. by a model's own router; (T,) ids, one choice per token, give a (T,) row_of): the
+def routing_metadata(experts: torch.Tensor, num_experts: int) -> Dispatch:
+    """:class:`Dispatch` (counts (E,), offs (E,), token_idx (R,), row_of (T, K)), all int32, for (T, K)
+    expert ids chosen elsewhere (e.g. by a model's own router; (T,) ids, one choice per token, give a (T,) row_of): the
     expert-sorted order of a stable argsort, from the Triton kernels where they run.
 
     An id outside [0, E) (a "not on this rank" sentinel of expert parallelism: E in Hugging Face's,
@@ -627,7 +647,7 @@ def routing_metadata(experts: torch.Tensor, num_experts: int):
     ids = experts.to(torch.int32).reshape(experts.shape[0], experts.shape[1] if experts.dim() == 2 else 1)
     ids = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
     counts, offs, token_idx, row_of = _metadata(ids, num_experts + 1)  # the extra group: dropped ids
-    return counts[:num_experts], offs[:num_experts], token_idx, row_of.view(experts.shape)
+    return Dispatch(counts[:num_experts], offs[:num_experts], token_idx, row_of.view(experts.shape))
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor | None, row_of: torch.Tensor) -> torch.Tensor:
