@@ -3,15 +3,16 @@
 (plain configuration). Per shape and revision: kernels per training step, the host's time to enqueue
 a forward and a step (GPU queue drained), and paired do_bench times of the forward and the step.
 
-    python probes/ab_block.py [shape ...] [--rounds 9]
+    python probes/ab_block.py [shape ...] [--rounds 9] [--tokens 1024 --tokens 4096]
 """
 
 import argparse
+import dataclasses
 import sys
 
 import torch
 
-sys.path.insert(0, "abtest")
+sys.path.insert(0, ".ab/abtest")  # git-ignored
 import moekit_old  # noqa: E402
 
 import moekit  # noqa: E402
@@ -39,10 +40,11 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("shapes", nargs="*", default=["qwen3-30b-a3b", "olmoe-1b-7b", "deepseek-v2-lite"])
     p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--tokens", action="append", type=int, help="T per step (default: the shape's)")
     a = p.parse_args()
     print(environment())
-    for name in a.shapes:
-        shape = BLOCK_SHAPES[name]
+    for name, tokens in ((n, t) for n in a.shapes for t in a.tokens or [None]):
+        shape = BLOCK_SHAPES[name] if tokens is None else dataclasses.replace(BLOCK_SHAPES[name], tokens=tokens)
         torch.manual_seed(1)
         x = torch.randn(shape.tokens, shape.d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn_like(x)

@@ -4,9 +4,11 @@ problems.
 
 Setup (on the machine that builds the working tree, before copying it to the GPU)::
 
-    rm -rf abtest && mkdir abtest && git archive REV src/moekit | tar -x -C abtest
-    mv abtest/src/moekit abtest/moekit_old && rm -r abtest/src
-    sed -i 's/"moekit::/"moekit_old::/g' abtest/moekit_old/*.py   # its custom ops get their own namespace
+    rm -rf .ab/abtest && mkdir -p .ab/abtest && git archive REV src/moekit | tar -x -C .ab/abtest
+    mv .ab/abtest/src/moekit .ab/abtest/moekit_old && rm -r .ab/abtest/src
+    find .ab/abtest -name '*.py' | xargs sed -i 's/"moekit::/"moekit_old::/g'  # its own custom-op namespace
+
+and carry ``.ab`` to the GPU machine (it is git-ignored).
 
 Then ``python probes/ab_revision.py gpt-oss-20b:dH gpt-oss-120b:up ...`` (problems: down, dH, dX,
 up, and the weight gradients dWdown (with db_down's ones row) and dWup (with db_up where D % 128 == 64)).
@@ -21,7 +23,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, "abtest")
+sys.path.insert(0, ".ab/abtest")
 import moekit_old.grouped_gemm as old  # noqa: E402
 
 import moekit.grouped_gemm as new  # noqa: E402

@@ -36,6 +36,8 @@ def main():
     p.add_argument("--tokens", action="append", type=int)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--profile-lines", type=int, default=45)
+    p.add_argument("--dump", help="also write each profiled shape's pstats here (DIR/<shape>-<T>.prof)")
+    p.add_argument("--profile-shape", action="append", help="shapes to profile (default: the first --shape)")
     a = p.parse_args()
     shapes = a.shape or ["qwen3-30b-a3b", "gpt-oss-20b"]
     tokens = a.tokens or [1024, 4096]
@@ -70,22 +72,25 @@ def main():
           f"torch add {host_us(lambda: small.add_(1), 50):.1f}; "
           f"torch.empty {host_us(lambda: torch.empty(1024, device='cuda'), 50):.1f}")
     # where an eager step's host time goes now (the backward on the calling thread, so cProfile sees it)
-    shape = dataclasses.replace(BLOCK_SHAPES[shapes[0]], tokens=tokens[0])
-    _, _, step = training_step(shape, "plain")
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    with torch.autograd.set_multithreading_enabled(False):
-        prof.enable()
-        for _ in range(10):
+    for name in a.profile_shape or shapes[:1]:
+        shape = dataclasses.replace(BLOCK_SHAPES[name], tokens=tokens[0])
+        _, _, step = training_step(shape, "plain")
+        for _ in range(3):
             step()
-        prof.disable()
-    torch.cuda.synchronize()
-    stats = pstats.Stats(prof).strip_dirs()
-    stats.sort_stats("tottime").print_stats(a.profile_lines)
-    stats.sort_stats("cumulative").print_stats(a.profile_lines)
-
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        with torch.autograd.set_multithreading_enabled(False):
+            prof.enable()
+            for _ in range(10):
+                step()
+            prof.disable()
+        torch.cuda.synchronize()
+        if a.dump:
+            prof.dump_stats(f"{a.dump}/{name}-{tokens[0]}.prof")
+        stats = pstats.Stats(prof).strip_dirs()
+        print(f"## {name}, T = {tokens[0]}: ten steps")
+        stats.sort_stats("tottime").print_stats(a.profile_lines)
+        stats.sort_stats("cumulative").print_stats(a.profile_lines)
 
 if __name__ == "__main__":
     main()

@@ -49,6 +49,62 @@ def test_cache_key_is_finer_than_tritons_specialization():
     assert launch._arg_key(args[-4]) != launch._arg_key(args[-3])  # two boxes
 
 
+class _FakeParam:
+    def __init__(self, name, default=None, has_default=False):
+        self.name, self.default, self.has_default = name, default, has_default
+
+
+class _FakeJIT:
+    """A JIT function's face (names, defaults, ``fn[grid](...)``) that records what Triton's path got."""
+
+    arg_names = ["a", "b", "C", "D"]
+    params = [_FakeParam("a"), _FakeParam("b"), _FakeParam("C", 3, True), _FakeParam("D", 4, True)]
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((args, kwargs)) or object()
+
+
+@pytest.mark.parametrize("call", [((1, 2), {}), ((1, 2), {"D": 5}), ((1,), {"b": 2, "C": 7}), ((1, 2, 3, 4), {}),
+                                  ((), {"D": 5, "b": 2, "a": 1})], ids=["defaults", "kw", "kw-order", "all", "all-kw"])
+def test_cached_launch_passes_every_argument_in_declaration_order(monkeypatch, call):
+    """The first call of a signature goes through Triton's path; later ones hand the cached kernel's
+    launcher every declared argument in declaration order (positional, keyword, default)."""
+    args, kwargs = call
+    fn = _FakeJIT()
+    runs = []
+    monkeypatch.setattr(launch, "_driver", lambda: type("D", (), {"get_current_device": staticmethod(lambda: 0)}))
+    monkeypatch.setattr(launch, "_run", lambda compiled, grid, values, device: runs.append(list(values)))
+    k = launch.Kernel(fn)
+    k[(1,)](*args, **kwargs)
+    assert fn.calls == [(args, kwargs)] and runs == []
+    k[(1,)](*args, **kwargs)
+    merged = dict(zip(fn.arg_names[:len(args)], args, strict=True)) | kwargs
+    assert runs == [[merged.get(n, p.default) for n, p in zip(fn.arg_names, fn.params, strict=True)]]
+    k[(1,)](*args, **kwargs, **({} if "C" in kwargs or len(args) > 2 else {"C": 9}))  # another signature
+    assert len(fn.calls) == 1 + (0 if "C" in kwargs or len(args) > 2 else 1)
+
+
+def test_missing_argument_goes_to_tritons_path(monkeypatch):
+    fn = _FakeJIT()
+    monkeypatch.setattr(launch, "_driver", lambda: type("D", (), {"get_current_device": staticmethod(lambda: 0)}))
+    k = launch.Kernel(fn)
+    k[(1,)](1)  # b missing: Triton's own error would come from its path
+    k[(1,)](1)
+    assert len(fn.calls) == 2
+
+
+def test_host_grid_arithmetic_is_tritons():
+    import triton
+
+    for n in (-5, -1, 0, 1, 2, 3, 4, 5, 127, 128, 129, 2**31 + 1):
+        assert launch.next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 3, 16, 128):
+            assert launch.cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
 def test_interpreter_launches_through_triton(interpreter):
     from moekit._kernels.routing import _combine_kernel
 

@@ -28,7 +28,6 @@ public functions.
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from . import config, launch
@@ -108,14 +107,14 @@ def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig
         )
     else:
         args = (x, w, aux_a, aux_b, h)
-    tiles = (triton.cdiv(m, bm) + e + 1) * triton.cdiv(f, bf)
+    tiles = (launch.cdiv(m, bm) + e + 1) * launch.cdiv(f, bf)
     launch.kernel(_grouped_mm_swiglu_kernel)[(min(sms * cfg.programs_per_sm, tiles),)](
         *args, offs, bias, token_idx, row_scale,
         m, f, d, e,
         x.stride(0), x.stride(1),
         w.stride(0), w.stride(1), w.stride(2),
         aux.stride(0), h.stride(0), bias.stride(0) if bias is not None else 0,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(e + 1),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, BLOCK_E=launch.next_power_of_2(e + 1),
         B_TRANS=w.stride(2) != 1, USE_TMA=tma, DOT_F32=config.is_interpreting(), FLATTEN=cfg.flatten,
         OUT_DTYPE=_TL_DTYPES[x.dtype], **spec.constexprs(), ZERO_TAIL=zero_tail,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -146,7 +145,7 @@ def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = Fal
     m, two_f = aux.shape
     f = two_f // 2
     w_t = w.mT
-    h_cols = triton.cdiv(f + 1, 64) * 64 if ones_col else f  # as swiglu_bwd pads it
+    h_cols = launch.cdiv(f + 1, 64) * 64 if ones_col else f  # as swiglu_bwd pads it
     fused = config.fused_dswiglu() and not spec.halves
     if fused and m and f and ws_dswiglu_ok(grad, w_t, aux, h_cols, scale):
         d_aux = config.empty((m, two_f), dtype=aux.dtype, device=aux.device)
@@ -201,7 +200,7 @@ def grouped_colsum(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     if n == 0:
         return out
     block_r, block_c = (16, 32) if config.is_interpreting() else (32, 128)
-    launch.kernel(_grouped_colsum_kernel)[(triton.cdiv(n, block_c), e)](
+    launch.kernel(_grouped_colsum_kernel)[(launch.cdiv(n, block_c), e)](
         x, offs, out, m, n, e, x.stride(0), out.stride(0), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4
     )
     return out
@@ -209,7 +208,7 @@ def grouped_colsum(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 
 def _elementwise_grid(m, f):
     block_r, block_f = (16, 16) if config.is_interpreting() else (16, 128)
-    return (triton.cdiv(m, block_r), triton.cdiv(f, block_f)), dict(BLOCK_R=block_r, BLOCK_F=block_f)
+    return (launch.cdiv(m, block_r), launch.cdiv(f, block_f)), dict(BLOCK_R=block_r, BLOCK_F=block_f)
 
 
 def swiglu_fwd(pre: torch.Tensor, spec: SwiGLU) -> torch.Tensor:
@@ -239,16 +238,16 @@ def swiglu_bwd(pre: torch.Tensor, dh: torch.Tensor, spec: SwiGLU, *, with_h: boo
     dpre = config.empty((m, two_f), dtype=pre.dtype, device=pre.device)
     h = h_cols = None
     if with_h:  # a padded row of 64-element multiples keeps the ones column's stores vectorized
-        h_cols = triton.cdiv(f + 1, 64) * 64 if ones_col else f
+        h_cols = launch.cdiv(f + 1, 64) * 64 if ones_col else f
         h = config.empty((m, h_cols), dtype=pre.dtype, device=pre.device)
     block_r, block_f, warps, col_programs = config.swiglu_bwd_blocks()
-    col_blocks = col_programs or max(triton.cdiv(h_cols if ones_col else f, block_f), 1)
+    col_blocks = col_programs or max(launch.cdiv(h_cols if ones_col else f, block_f), 1)
     # d_scale: one partial row sum per column program, added up below (deterministic, no atomics); with a
     # bound, zeros past it, as the fused kernel gives them
     alloc = config.empty if bound is None else torch.zeros
     parts = None if scale is None else alloc((col_blocks, m), dtype=torch.float32, device=pre.device)
     if m:
-        launch.kernel(_swiglu_bwd_kernel)[(triton.cdiv(m, block_r), col_blocks)](
+        launch.kernel(_swiglu_bwd_kernel)[(launch.cdiv(m, block_r), col_blocks)](
             pre, dh, dpre, h, m, f, pre.stride(0), dh.stride(0), dpre.stride(0),
             h.stride(0) if with_h else 0, h_cols or 0, scale, parts, None if bound is None else bound[-1:],
             **spec.constexprs(),

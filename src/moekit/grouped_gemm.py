@@ -12,7 +12,6 @@ length of the 2D x 2D form.
 from __future__ import annotations
 
 import torch
-import triton
 
 from . import config, launch
 from ._kernels.grouped_gemm import _grouped_mm_ragged_k_kernel, _grouped_mm_ragged_m_kernel
@@ -64,7 +63,7 @@ def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None, bias=None, g
         c_arg = row_bounded(out, [bm, bn // 2 if cfg.split_store else bn])
     else:
         a_arg, b_arg, c_arg = a, b, out
-    max_tiles = (triton.cdiv(m, bm) + e + 1) * triton.cdiv(n, bn)  # each group adds <= 1 partial row tile
+    max_tiles = (launch.cdiv(m, bm) + e + 1) * launch.cdiv(n, bn)  # each group adds <= 1 partial row tile
     programs = min(config.num_sms(a.device) * cfg.programs_per_sm, max_tiles)
     launch.kernel(_grouped_mm_ragged_m_kernel)[(programs,)](
         a_arg, b_arg, c_arg, offs, bias, group_scale,
@@ -73,7 +72,7 @@ def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None, bias=None, g
         b.stride(0), b.stride(1), b.stride(2),
         out.stride(0), bias.stride(0) if bias is not None else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(e + 1),
+        GROUP_M=cfg.group_m, BLOCK_E=launch.next_power_of_2(e + 1),
         B_TRANS=b_trans,
         USE_TMA=tma, DOT_F32=config.is_interpreting(), FLATTEN=cfg.flatten, SPLIT_STORE=cfg.split_store,
         ZERO_TAIL=zero_tail, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -130,7 +129,7 @@ def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None, *, ones_row:
                                  [1, bm, bn // 2 if cfg.split_store else bn])
     else:
         a_arg, b_arg, c_arg = a, b, out
-    programs = min(config.num_sms(a.device) * cfg.programs_per_sm, e * triton.cdiv(m, bm) * triton.cdiv(n, bn))
+    programs = min(config.num_sms(a.device) * cfg.programs_per_sm, e * launch.cdiv(m, bm) * launch.cdiv(n, bn))
     launch.kernel(_grouped_mm_ragged_k_kernel)[(programs,)](
         a_arg, b_arg, c_arg, offs, sums,
         m, n, kt, e,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 
 from . import config, launch
 from ._kernels.hopper_modes import ColSum, Epilogue
@@ -44,7 +43,7 @@ def ws_dswiglu_ok(a, b, aux, h_cols: int, scale=None) -> bool:
     (m, k), (e, _, n) = a.shape, b.shape
     return (m >= WS_MIN_ROWS * e and (b.stride(2) != 1 or k <= n) and aux.dtype == torch.bfloat16
             and (scale is None or (scale.dtype == torch.float32 and scale.is_contiguous()))
-            and h_cols <= triton.cdiv(n, WS_TILE[1]) * WS_TILE[1]
+            and h_cols <= launch.cdiv(n, WS_TILE[1]) * WS_TILE[1]
             and all(cols * a.element_size() % ALIGN == 0 for cols in (aux.shape[1], h_cols)) and ws_ok(a, b, aux))
 
 
@@ -88,14 +87,14 @@ def ws_rows_setup(a, b, offs, c, out2, *, box_n: int, zero_tail: bool = True):
     bm, bn, bk = WS_TILE
     a_desc = ws_desc(a, [m, k], [a.stride(0), 1], [bm, bk])
     b_desc = weight_descriptor(b, bk, box_n, make=ws_desc)
-    max_row_tiles = triton.cdiv(m, bm) + e
+    max_row_tiles = launch.cdiv(m, bm) + e
     table = torch.empty(4 * (max_row_tiles + 1), dtype=torch.int32, device=a.device)
-    launch.kernel(hk._tile_table_kernel)[(max(triton.cdiv(max_row_tiles, 32), 8),)](
+    launch.kernel(hk._tile_table_kernel)[(max(launch.cdiv(max_row_tiles, 32), 8),)](
         offs, table, c, out2, m, c.shape[1], out2.shape[1] if out2 is not c else 0, e,
         c.stride(0), out2.stride(0), max_row_tiles,
-        BLOCK_M=bm, BLOCK_E=triton.next_power_of_2(e + 1), BLOCK_T=32, BLOCK_Z=32, ZERO_TAIL=zero_tail, num_warps=4,
+        BLOCK_M=bm, BLOCK_E=launch.next_power_of_2(e + 1), BLOCK_T=32, BLOCK_Z=32, ZERO_TAIL=zero_tail, num_warps=4,
     )
-    return a_desc, b_desc, table, min(config.num_sms(a.device), max_row_tiles * triton.cdiv(n, bn))
+    return a_desc, b_desc, table, min(config.num_sms(a.device), max_row_tiles * launch.cdiv(n, bn))
 
 
 def ws_gemm(a, b, offs, c, *, epilogue: Epilogue = Epilogue.PLAIN, bias=None, out2=None, spec=None,
@@ -152,7 +151,7 @@ def ws_dswiglu(a, b, offs, aux, d_aux, h, spec, *, scale=None, zero_tail: bool =
     (m, k), n = a.shape, b.shape[2]
     bn = WS_TILE[1]
     a_desc, b_desc, table, programs = ws_rows_setup(a, b, offs, d_aux, h, box_n=bn, zero_tail=zero_tail)
-    tiles_n = triton.cdiv(n, bn)
+    tiles_n = launch.cdiv(n, bn)
     # one partial row sum per column tile, added up below; rows past offs[-1] are in no tile
     parts = None if scale is None else torch.zeros(tiles_n, m, dtype=torch.float32, device=a.device)
     aux_w, d_aux_w = aux.view(torch.int32), d_aux.view(torch.int32)
@@ -229,7 +228,7 @@ def ws_ragged_k(a, b, offs, out, colsum, mode: ColSum):
                          [1, 1, bk, bm // 2]) if ones is not None else a_desc
     b_desc = row_bounded(b, [bk, bn], ws_desc)
     c_desc = ws_desc(out, list(out.shape), [out.stride(0), out.stride(1), 1], [1, bm // 2, bn])
-    programs = min(config.num_sms(a.device), e * triton.cdiv(m, bm) * triton.cdiv(n, bn))
+    programs = min(config.num_sms(a.device), e * launch.cdiv(m, bm) * launch.cdiv(n, bn))
     launch.kernel(hk._grouped_mm_ws_ragged_k_kernel)[(programs,)](
         a_desc, ones_desc, b_desc, c_desc,
         colsum if colsum is not None else out, colsum.stride(0) if colsum is not None else 0,

@@ -15,12 +15,18 @@ exactly as ``fn[grid](*args, **kwargs)`` would, with less host work on every cal
   32 bits), or finer, so one key never maps to two different compiled kernels. Later calls with the same
   facts launch the compiled kernel directly: its launcher (``CompiledKernel.run``) takes every
   argument in declaration order, as Triton's would, and encodes the TMA descriptors as Triton does.
+- What depends only on the call's argument types and keyword names (which values key by value and
+  which by facts, where each declared parameter comes from) is worked out once per such signature
+  (``_Layout``), so a cached launch walks only its tensors and descriptors in Python.
 
 What is skipped on the fast path, and why that is safe: the globals check (moekit's kernels read only
 module constants); the compile-cache lookup by string (the key above is finer); the pre-run hooks
 (none are registered on moekit's kernels). Launch hooks (``triton.knobs.runtime.launch_enter_hook``,
-set by profilers) are honoured. Under Triton's CPU interpreter, and with the ``fast_launch`` option
-off, every call goes through Triton unchanged.
+set by profilers) are honoured; while none is set, no launch-metadata dict is built. Under Triton's
+CPU interpreter, and with the ``fast_launch`` option off, every call goes through Triton unchanged.
+
+``cdiv`` and ``next_power_of_2`` are Triton's for host ints, as plain functions: Triton's are
+constexpr functions, whose every host call costs ~5 us.
 """
 
 from __future__ import annotations
@@ -31,10 +37,18 @@ import torch
 
 from . import config
 
-_OPTION_NAMES = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion",
-                           "launch_cooperative_grid", "launch_pdl"})
-_BY_VALUE = frozenset({int, bool, float, type(None)})  # keyed by (type, value): finer than Triton's facts
 _CACHE_LIMIT = 4096  # signatures per kernel; past it the cache starts afresh (a run whose sizes never repeat)
+
+
+def cdiv(a: int, b: int) -> int:
+    """``triton.cdiv(a, b)`` for host ints, without its constexpr-function call (~5 us of host each)."""
+    return (a + b - 1) // b
+
+
+def next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2(n)`` for host ints (0 for n <= 0, as Triton's), without its
+    constexpr-function call."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 def _tensor_fact(t: torch.Tensor):
@@ -45,70 +59,103 @@ def _desc_fact(d):
     return d.base.dtype, tuple(d.block_shape), getattr(d, "layout", None), d.padding
 
 
-def _value(a):
-    return a  # a tl.dtype passed positionally, a tuple: its value, which must hash
-
-
-_FACTS = {torch.Tensor: _tensor_fact, torch.nn.Parameter: _tensor_fact}
+_DESCRIPTORS: tuple = ()
 
 
 def _register_descriptors() -> None:
+    global _DESCRIPTORS
+    found = []
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        _FACTS[TensorDescriptor] = _desc_fact
+        found.append(TensorDescriptor)
     except ImportError:  # pragma: no cover - Triton without host descriptors
         pass
     try:
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
-        _FACTS[GluonDescriptor] = _desc_fact
+        found.append(GluonDescriptor)
     except ImportError:  # pragma: no cover - Triton without Gluon
         pass
+    _DESCRIPTORS = tuple(found)
 
 
 _register_descriptors()
 
 
-def _facts(values, types) -> tuple:
-    """The key part of each value: itself for scalars (with ``types`` beside it, so that 1, 1.0 and
-    True stay apart), the specialization facts for tensors and descriptors."""
-    return tuple([a if t in _BY_VALUE else _FACTS.get(t, _value)(a) for a, t in zip(values, types, strict=True)])
+class _Layout:
+    """What a call signature (argument types, keyword names) fixes, worked out once: which values key
+    the cache as themselves (scalars, dtypes, tuples: with their types, which the signature holds, so
+    that 1, 1.0 and True stay apart), which by their specialization facts (tensors, of any subclass,
+    and descriptors), and where each declared parameter's value comes from (a positional argument, a
+    keyword or the default)."""
+
+    __slots__ = ("by_value", "tensors", "descriptors", "order")
+
+    def __init__(self, types: tuple, kw_names: tuple, kernel: Kernel):
+        self.by_value = tuple(i for i, t in enumerate(types)
+                              if not issubclass(t, torch.Tensor) and t not in _DESCRIPTORS)
+        self.tensors = tuple(i for i, t in enumerate(types) if issubclass(t, torch.Tensor))
+        self.descriptors = tuple(i for i, t in enumerate(types) if t in _DESCRIPTORS)
+        n_args, n_values = len(types) - len(kw_names), len(types)
+        order = []
+        for j, name in enumerate(kernel._names):
+            if j < n_args:
+                order.append(j)
+            elif name in kw_names:
+                order.append(n_args + kw_names.index(name))
+            else:  # a missing argument without a default raises KeyError here: Triton's path reports it
+                order.append(n_values + kernel._default_index[name])
+        self.order = None if order == list(range(n_values)) else tuple(order)
 
 
 def _arg_key(a):
-    """One argument's key, as ``Kernel`` builds it (a test aid)."""
-    return type(a), _facts((a,), (type(a),))[0]
+    """One argument's key part, as ``Kernel`` builds it (a test aid)."""
+    t = type(a)
+    if issubclass(t, torch.Tensor):
+        return t, _tensor_fact(a)
+    return t, _desc_fact(a) if t in _DESCRIPTORS else a
 
 
 class Kernel:
     """A JIT function behind the launch layer: ``Kernel(fn)[grid](*args, **kwargs)``."""
 
-    __slots__ = ("fn", "_names", "_defaults", "_compiled")
+    __slots__ = ("fn", "_names", "_defaults", "_default_index", "_layouts", "_compiled")
 
     def __init__(self, fn):
         self.fn = fn
         self._names = tuple(fn.arg_names)
-        self._defaults = {p.name: p.default for p in fn.params if p.has_default}
+        defaults = [(p.name, p.default) for p in fn.params if p.has_default]
+        self._defaults = tuple(v for _, v in defaults)
+        self._default_index = {name: i for i, (name, _) in enumerate(defaults)}
+        self._layouts: dict = {}
         self._compiled: dict = {}
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 
-    def _key(self, args, kwargs, device: int):
-        kw_values = tuple(kwargs.values())
-        kw_types = tuple(map(type, kw_values))
-        arg_types = tuple(map(type, args))
-        return (_facts(args, arg_types), arg_types, tuple(kwargs), _facts(kw_values, kw_types), kw_types, device)
+    def _key(self, values: tuple, sig: tuple, layout: _Layout, device: int):
+        return (sig, device, tuple([values[i] for i in layout.by_value]),
+                tuple([(values[i].dtype, values[i].data_ptr() & 15 == 0) for i in layout.tensors]),
+                tuple([_desc_fact(values[i]) for i in layout.descriptors]))
 
     def _launch(self, grid, args, kwargs):
         if not config.get_options().fast_launch:
             return self.fn[grid](*args, **kwargs)
         device = _driver().get_current_device()
+        if kwargs:
+            values = args + tuple(kwargs.values())
+            sig = (tuple(map(type, values)), tuple(kwargs))
+        else:
+            values = args
+            sig = (tuple(map(type, values)), ())
         try:
-            key = self._key(args, kwargs, device)
+            layout = self._layouts.get(sig)
+            if layout is None:
+                layout = self._layouts[sig] = _Layout(sig[0], sig[1], self)
+            key = self._key(values, sig, layout, device)
             compiled = self._compiled.get(key)
-        except TypeError:  # an argument whose value cannot key a cache: Triton's own path
+        except (TypeError, KeyError):  # a value that cannot key a cache, a missing argument: Triton's path
             return self.fn[grid](*args, **kwargs)
         if compiled is None:
             compiled = self.fn[grid](*args, **kwargs)  # binds, compiles or finds, launches
@@ -117,10 +164,9 @@ class Kernel:
                     self._compiled.clear()
                 self._compiled[key] = compiled
             return compiled
-        values = list(args)
-        defaults = self._defaults
-        for name in self._names[len(args):]:
-            values.append(kwargs[name] if name in kwargs else defaults[name])
+        if layout.order is not None:
+            every = values + self._defaults
+            values = [every[i] for i in layout.order]
         _run(compiled, grid, values, device)
         return compiled
 
@@ -139,35 +185,44 @@ def _hooks():
     return triton.knobs.runtime
 
 
+def _live(hook):
+    """The launch hook, or None where none is set: Triton's hooks are chains of callables (a
+    ``HookChain``, whose ``calls`` is empty unless a profiler added one), and an empty chain passed on
+    would cost a launch-metadata dict and two Python calls per launch."""
+    if hook is None or getattr(hook, "calls", True):
+        return hook
+    return None
+
+
 def _run(compiled, grid, values, device: int) -> None:
     stream = _driver().get_current_stream(device)
     n = len(grid)
     g0, g1, g2 = grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1
     hooks = _hooks()
-    enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+    enter, leave = _live(hooks.launch_enter_hook), _live(hooks.launch_exit_hook)
     meta = compiled.launch_metadata(grid, stream, *values) if enter is not None else None
     compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, meta, enter, leave, *values)
 
 
-_KERNELS: dict = {}
+_KERNELS: dict = {}  # id(fn) -> (fn, its Kernel): a JIT function's own hash is a Python call into Triton
 
 
 def kernel(fn):
-    """The launch layer's :class:`Kernel` for the JIT function ``fn`` (one per function, kept); ``fn``
-    itself where it is no compiled JIT function (Triton's interpreter makes every kernel one of its
-    own)."""
-    k = _KERNELS.get(fn)
-    if k is None:
+    """The launch layer's :class:`Kernel` for the JIT function ``fn`` (one per function, kept, and ``fn``
+    with it, so that its id is not reused); ``fn`` itself where it is no compiled JIT function (Triton's
+    interpreter makes every kernel one of its own)."""
+    entry = _KERNELS.get(id(fn))
+    if entry is None or entry[0] is not fn:
         from triton.runtime.jit import JITFunction
 
-        k = _KERNELS[fn] = Kernel(fn) if isinstance(fn, JITFunction) else fn
-    return k
+        entry = _KERNELS[id(fn)] = (fn, Kernel(fn) if isinstance(fn, JITFunction) else fn)
+    return entry[1]
 
 
 def cached_signatures(fn) -> int:
     """How many call signatures of ``fn`` the launch layer holds a compiled kernel for (a test aid)."""
-    k = _KERNELS.get(fn)
-    return 0 if k is None else len(k._compiled)
+    entry = _KERNELS.get(id(fn))
+    return 0 if entry is None or entry[0] is not fn else len(entry[1]._compiled)
 
 
-__all__ = ["Kernel", "cached_signatures", "kernel"]
+__all__ = ["Kernel", "cached_signatures", "cdiv", "kernel", "next_power_of_2"]

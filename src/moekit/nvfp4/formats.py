@@ -43,7 +43,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from .. import config, launch
 from .._kernels.nvfp4 import (
@@ -457,12 +456,12 @@ def _tile(k: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_K) of the quantize, dequantize and amax kernels: BLOCK_M a multiple of 16 (the
     16 x 16 weight blocks), BLOCK_K a power of two >= 16 and no wider than K needs."""
     bm, bk = (16, 64) if config.is_interpreting() else (32, 128)
-    return bm, min(bk, max(BLOCK, triton.next_power_of_2(k)))
+    return bm, min(bk, max(BLOCK, launch.next_power_of_2(k)))
 
 
 def _tiles_per_program(tiles_per_row: int) -> int:
     """BLOCK_T of the layout kernels: 128 x 4 tiles (512 bytes each) per program."""
-    return min(8 if config.is_interpreting() else 4, triton.next_power_of_2(max(tiles_per_row, 1)))
+    return min(8 if config.is_interpreting() else 4, launch.next_power_of_2(max(tiles_per_row, 1)))
 
 
 def global_scale_fwd(x3: torch.Tensor) -> torch.Tensor:
@@ -470,7 +469,7 @@ def global_scale_fwd(x3: torch.Tensor) -> torch.Tensor:
     partial amaxes from a grid of programs, then one program per group reduces them. No sync."""
     groups, r, k = x3.shape
     bm, bk = _tile(k)
-    programs = max(1, min(triton.cdiv(r, bm), triton.cdiv(4 * config.num_sms(x3.device), max(groups, 1))))
+    programs = max(1, min(launch.cdiv(r, bm), launch.cdiv(4 * config.num_sms(x3.device), max(groups, 1))))
     gscale = config.empty((groups,), dtype=torch.float32, device=x3.device)
     if groups == 0:
         return gscale
@@ -478,7 +477,7 @@ def global_scale_fwd(x3: torch.Tensor) -> torch.Tensor:
     launch.kernel(_amax_kernel)[(programs, groups)](x3, partial, r, k, *x3.stride(), BLOCK_R=bm, BLOCK_K=bk,
                                                    num_warps=4)
     launch.kernel(_global_scale_kernel)[(groups,)](partial, gscale, programs,
-                                                   BLOCK_P=min(1024, triton.next_power_of_2(programs)))
+                                                   BLOCK_P=min(1024, launch.next_power_of_2(programs)))
     return gscale
 
 
@@ -505,14 +504,14 @@ def quantize_fwd(x3: torch.Tensor, gscale: torch.Tensor, per_group: bool, block_
         from .._kernels.nvfp4_gluon import _quantize_rows_kernel
 
         bm, nb, warps = QUANTIZE_TILE  # 16 warps x 4 rows x 2 repeats; 8 blocks (128 elements) of a row
-        tiles_k = triton.cdiv(k, 16 * nb)
+        tiles_k = launch.cdiv(k, 16 * nb)
         sms = config.num_sms(x3.device)
         words = quantize_reads_words(x3)
         if words:  # persistent over each group's tiles
-            grid = (max(1, min(triton.cdiv(r, bm) * tiles_k, sms * QUANTIZE_WORDS_PROGRAMS_PER_SM // groups)), 1,
+            grid = (max(1, min(launch.cdiv(r, bm) * tiles_k, sms * QUANTIZE_WORDS_PROGRAMS_PER_SM // groups)), 1,
                     groups)
         else:  # persistent along the rows of each column tile
-            grid = (max(1, min(triton.cdiv(r, bm), sms * QUANTIZE_PROGRAMS_PER_SM // (tiles_k * groups))), tiles_k,
+            grid = (max(1, min(launch.cdiv(r, bm), sms * QUANTIZE_PROGRAMS_PER_SM // (tiles_k * groups))), tiles_k,
                     groups)
         launch.kernel(_quantize_rows_kernel)[grid](
             x3, values, scales, gscale, r, k, *x3.stride(), int(per_group),
@@ -521,7 +520,7 @@ def quantize_fwd(x3: torch.Tensor, gscale: torch.Tensor, per_group: bool, block_
         )
         return values, scales
     bm, bk = _tile(k)
-    launch.kernel(_quantize_kernel)[(triton.cdiv(r, bm), triton.cdiv(k, bk), groups)](
+    launch.kernel(_quantize_kernel)[(launch.cdiv(r, bm), launch.cdiv(k, bk), groups)](
         x3, values, scales, gscale,
         r, k, *x3.stride(),
         int(per_group),
@@ -542,7 +541,7 @@ def dequantize_fwd(v3: torch.Tensor, s3: torch.Tensor, gscale: torch.Tensor, per
     if out.numel() == 0:
         return out
     bm, bk = _tile(k)
-    launch.kernel(_dequantize_kernel)[(triton.cdiv(r, bm), triton.cdiv(k, bk), groups)](
+    launch.kernel(_dequantize_kernel)[(launch.cdiv(r, bm), launch.cdiv(k, bk), groups)](
         v3, s3, gscale, out,
         r, k,
         *v3.stride(), *s3.stride(),
@@ -556,11 +555,11 @@ def dequantize_fwd(v3: torch.Tensor, s3: torch.Tensor, gscale: torch.Tensor, per
 def to_blocked_fwd(s3: torch.Tensor) -> torch.Tensor:
     """s3 (E, rows, cols) uint8, any strides -> (E, blocked_size(rows, cols)) uint8."""
     e, rows, cols = s3.shape
-    tiles_per_row = triton.cdiv(cols, TILE_COLS)
+    tiles_per_row = launch.cdiv(cols, TILE_COLS)
     out = config.empty((e, blocked_size(rows, cols)), dtype=torch.uint8, device=s3.device)
     if out.numel():
         bt = _tiles_per_program(tiles_per_row)
-        launch.kernel(_to_blocked_kernel)[(triton.cdiv(rows, TILE_ROWS), triton.cdiv(tiles_per_row, bt), e)](
+        launch.kernel(_to_blocked_kernel)[(launch.cdiv(rows, TILE_ROWS), launch.cdiv(tiles_per_row, bt), e)](
             s3, out, rows, cols, *s3.stride(), tiles_per_row, BLOCK_T=bt, num_warps=4
         )
     return out
@@ -571,15 +570,15 @@ def to_blocked_ragged_fwd(scales: torch.Tensor, offs: torch.Tensor) -> torch.Ten
     row tiles: the grid covers that bound and each program finds its expert from offs on the device."""
     m, cols = scales.shape
     e = offs.numel()
-    tiles_per_row = triton.cdiv(cols, TILE_COLS)
-    row_tiles = triton.cdiv(m, TILE_ROWS) + e
+    tiles_per_row = launch.cdiv(cols, TILE_COLS)
+    row_tiles = launch.cdiv(m, TILE_ROWS) + e
     out = config.empty((row_tiles * tiles_per_row * TILE_ROWS * TILE_COLS,), dtype=torch.uint8, device=scales.device)
     if out.numel():
         bt = _tiles_per_program(tiles_per_row)
-        launch.kernel(_to_blocked_ragged_kernel)[(row_tiles, triton.cdiv(tiles_per_row, bt))](
+        launch.kernel(_to_blocked_ragged_kernel)[(row_tiles, launch.cdiv(tiles_per_row, bt))](
             scales, offs, out,
             m, cols, e, *scales.stride(), tiles_per_row,
-            BLOCK_T=bt, BLOCK_E=triton.next_power_of_2(max(e, 1)),
+            BLOCK_T=bt, BLOCK_E=launch.next_power_of_2(max(e, 1)),
             num_warps=4,
         )
     return out

@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 import triton.language as tl
 
 from .. import config, launch
@@ -298,15 +297,15 @@ def _ws_mm(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out
     wv = w_values.view(torch.uint8).reshape(e * n, half)
     w_desc = GluonDescriptor(wv, [e * n, half], [half, 1], [128, 32], w_layout)
     ws = w_scales.view(torch.uint8).reshape(e * n, k // BLOCK).view(torch.int32)
-    max_row_tiles = triton.cdiv(m, bm) + e
+    max_row_tiles = launch.cdiv(m, bm) + e
     table = torch.empty(4 * (max_row_tiles + 1), dtype=torch.int32, device=a_values.device)
     # (the tile table's kernel also zeroes the rows past offs[-1])
-    launch.kernel(hk._tile_table_kernel)[(max(triton.cdiv(max_row_tiles, 32), 8),)](
+    launch.kernel(hk._tile_table_kernel)[(max(launch.cdiv(max_row_tiles, 32), 8),)](
         offs, table, out, out, m, n, 0, e, out.stride(0), out.stride(0), max_row_tiles,
-        BLOCK_M=bm, BLOCK_E=triton.next_power_of_2(e + 1), BLOCK_T=32, BLOCK_Z=32, ZERO_TAIL=True, num_warps=4,
+        BLOCK_M=bm, BLOCK_E=launch.next_power_of_2(e + 1), BLOCK_T=32, BLOCK_Z=32, ZERO_TAIL=True, num_warps=4,
     )
     programs = config.num_sms(a_values.device) * cfg.programs_per_sm
-    launch.kernel(_grouped_mm_nvfp4_ws_kernel)[(min(programs, max_row_tiles * triton.cdiv(n, 128)),)](
+    launch.kernel(_grouped_mm_nvfp4_ws_kernel)[(min(programs, max_row_tiles * launch.cdiv(n, 128)),)](
         a_desc, w_desc, ws, a_global, w_global, w_global.stride(0), out, out.stride(0), table, n, k,
         NUM_PROGRAMS=programs, GROUP_M=1, STAGES=cfg.num_stages, CHUNKS=cfg.block_k // 64,
         REGS=cfg.max_registers, num_warps=4, maxnreg=cfg.max_registers,
@@ -345,7 +344,7 @@ def grouped_mm_nvfp4_fwd(
         raise ValueError(f"{_NAME}: block_k must be a power of two and a multiple of {BLOCK}, got {bk}")
     if w_packed and bk % (2 * PACK_CHUNK):
         raise ValueError(f"{_NAME}: packed weights need block_k a multiple of {2 * PACK_CHUNK}, got {bk}")
-    max_tiles = (triton.cdiv(m, bm) + e + 1) * triton.cdiv(n, bn)  # each expert adds <= 1 partial row tile
+    max_tiles = (launch.cdiv(m, bm) + e + 1) * launch.cdiv(n, bn)  # each expert adds <= 1 partial row tile
     programs = min(config.num_sms(a_values.device) * cfg.programs_per_sm, max_tiles)
     op_dtype = torch.float16 if ptx else torch.float32 if config.is_interpreting() else torch.bfloat16
     if cfg.swap:  # A decoded once (exact: value * block scale), not once per column tile
@@ -362,7 +361,7 @@ def grouped_mm_nvfp4_fwd(
         *wv.stride(), *wsc.stride(), w_global.stride(0),
         out.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(e + 1),
+        GROUP_M=cfg.group_m, BLOCK_E=launch.next_power_of_2(e + 1),
         OP_DTYPE={torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[op_dtype],
         PTX=ptx, W_PACKED=w_packed, SWAP=cfg.swap, A_DECODED=cfg.swap, NUM_STAGES=cfg.num_stages,
         W_PREFETCH=cfg.prefetch,

@@ -32,7 +32,6 @@ the up-projection with interleaved bf16 columns runs the warp-specialized kernel
 from __future__ import annotations
 
 import torch
-import triton
 
 from .. import config, launch
 from .._kernels.nvfp4_swiglu import _grouped_mm_swiglu_nvfp4_kernel, _swiglu_quantize_kernel
@@ -167,8 +166,8 @@ def swiglu_quantize_nvfp4_fwd(pre: torch.Tensor, gscale: torch.Tensor, alpha: fl
 
         words = pre.dtype == torch.bfloat16
         bm, nb, warps = SWIGLU_QUANTIZE_TILE[words]
-        tiles_f = triton.cdiv(f, 16 * nb)
-        row_programs = max(1, min(triton.cdiv(m, bm), config.num_sms(pre.device)
+        tiles_f = launch.cdiv(f, 16 * nb)
+        row_programs = max(1, min(launch.cdiv(m, bm), config.num_sms(pre.device)
                                   * SWIGLU_QUANTIZE_PROGRAMS_PER_SM[words] // tiles_f))
         launch.kernel(_swiglu_quantize_rows_kernel)[(row_programs, tiles_f)](
             pre, values, scales, gscale, m, f, pre.stride(0),
@@ -177,8 +176,8 @@ def swiglu_quantize_nvfp4_fwd(pre: torch.Tensor, gscale: torch.Tensor, alpha: fl
         )
         return values, scales
     bm, bf = (16, 32) if config.is_interpreting() else (32, 128)
-    bf = min(bf, max(BLOCK, triton.next_power_of_2(f)))
-    launch.kernel(_swiglu_quantize_kernel)[(triton.cdiv(m, bm), triton.cdiv(f, bf))](
+    bf = min(bf, max(BLOCK, launch.next_power_of_2(f)))
+    launch.kernel(_swiglu_quantize_kernel)[(launch.cdiv(m, bm), launch.cdiv(f, bf))](
         pre, values, scales, gscale,
         m, f, pre.stride(0),
         **_swiglu_constexprs(alpha, limit, linear_offset, layout),
@@ -217,14 +216,14 @@ def grouped_mm_swiglu_nvfp4_fwd(x, w, offs, bias, gscale, alpha, limit, linear_o
         b_arg, tma = weight_descriptor(w, bk, bf if halves else bn), True
     else:
         a_arg, b_arg, tma = x, w, False
-    tiles = (triton.cdiv(m, bm) + e + 1) * triton.cdiv(f, bf)
+    tiles = (launch.cdiv(m, bm) + e + 1) * launch.cdiv(f, bf)
     launch.kernel(_grouped_mm_swiglu_nvfp4_kernel)[(min(config.num_sms(x.device) * cfg.programs_per_sm, tiles),)](
         a_arg, b_arg, values, scales, offs, bias, gscale,
         m, f, d, e,
         x.stride(0), x.stride(1),
         w.stride(0), w.stride(1), w.stride(2),
         bias.stride(0) if bias is not None else 0,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, BLOCK_E=triton.next_power_of_2(e + 1),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, BLOCK_E=launch.next_power_of_2(e + 1),
         B_TRANS=w.stride(2) != 1, USE_TMA=tma, DOT_F32=config.is_interpreting(), FLATTEN=cfg.flatten,
         OUT_DTYPE=_TL_DTYPES[x.dtype], **_swiglu_constexprs(alpha, limit, linear_offset, layout),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
