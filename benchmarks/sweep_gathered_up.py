@@ -39,7 +39,7 @@ def _cells(name: str, labels: list[str]) -> list[str]:
     ex = moe.experts
     w = ex.mlp1_weight_EGD.mT
     with torch.no_grad():
-        weights, experts = _router_op(x, moe.router.weight, None, None, moe.top_k, False, True)
+        weights, experts, _ = _router_op(x, moe.router.weight, None, None, moe.top_k, False, True)
         _, offs, token_idx, row_of = _metadata(experts, w.shape[0])
         scale = sorted_weights(weights, row_of)
     kw = ex.swiglu

@@ -45,9 +45,12 @@ def test_router_small_kernels():
         ref = topk_weights_grad_ref(dw.double(), scores.double(), experts.long(), renormalize)
         assert ((got.double() - ref).abs().amax(1) / ref.abs().amax(1)).max() < 1e-6
     _, _, _, row_of = routing_metadata_fwd(experts, e)
-    weights = torch.rand(t, k, device=DEV)
+    weights = torch.rand(t, k, device=DEV, requires_grad=True)
     s = sorted_weights(weights, row_of)
     assert torch.equal(s[row_of.long()], weights)
+    g = torch.randn(t * k, device=DEV)
+    s.backward(g)
+    assert torch.equal(weights.grad, g[row_of.long()])
 
 
 @pytest.mark.parametrize("t, e, k", [(16384, 128, 8), (24576, 32, 4), (4000, 64, 6), (5, 256, 8)])

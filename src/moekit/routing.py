@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import triton
 
 from . import config, launch
 from ._kernels.routing import (
     _combine_bwd_kernel,
     _combine_kernel,
     _gather_rows_ones_kernel,
+    _gather_weights_kernel,
     _route_histogram_kernel,
     _route_scan_kernel,
     _route_scatter_kernel,
@@ -152,8 +152,8 @@ def routing_metadata_fwd(experts: torch.Tensor, num_experts: int):
         zeros = torch.zeros(num_experts, dtype=torch.int32, device=dev)
         return zeros, zeros.clone(), token_idx, row_of
     flat = experts.reshape(-1).to(torch.int32).contiguous()
-    blocks = triton.cdiv(r, _BLOCK)
-    block_e = triton.next_power_of_2(num_experts)
+    blocks = launch.cdiv(r, _BLOCK)
+    block_e = launch.next_power_of_2(num_experts)
     block_counts = config.empty((blocks, num_experts), dtype=torch.int32, device=dev)
     launch.kernel(_route_histogram_kernel)[(blocks,)](flat, block_counts, r, num_experts, BLOCK=_BLOCK, BLOCK_E=block_e)
     counts = config.empty((num_experts,), dtype=torch.int32, device=dev)
@@ -161,7 +161,7 @@ def routing_metadata_fwd(experts: torch.Tensor, num_experts: int):
     block_base = config.empty((blocks, num_experts), dtype=torch.int32, device=dev)
     block_c = min(8, block_e)  # experts per scan program
     block_b = 16 if config.is_interpreting() else 4096 // block_c  # (the tests' tables loop too)
-    launch.kernel(_route_scan_kernel)[(triton.cdiv(num_experts, block_c),)](
+    launch.kernel(_route_scan_kernel)[(launch.cdiv(num_experts, block_c),)](
         block_counts, counts, block_base, blocks, num_experts, BLOCK_B=block_b, BLOCK_C=block_c
     )
     launch.kernel(_route_scatter_kernel)[(blocks,)](
@@ -181,11 +181,11 @@ def router_topk_fwd(key: torch.Tensor, scores: torch.Tensor, top_k: int, renorma
     weights = config.empty((t, top_k), dtype=torch.float32, device=key.device)
     experts = config.empty((t, top_k), dtype=torch.int32, device=key.device)
     if t:
-        block_e = triton.next_power_of_2(e)
+        block_e = launch.next_power_of_2(e)
         block_t = max(1, min(64, 4096 // block_e))
-        launch.kernel(_router_topk_kernel)[(triton.cdiv(t, block_t),)](
+        launch.kernel(_router_topk_kernel)[(launch.cdiv(t, block_t),)](
             key, scores, weights, experts, t, e, key.stride(0), scores.stride(0), K=top_k, RENORM=renormalize,
-            BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
+            BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=launch.next_power_of_2(top_k),
         )
     return weights, experts
 
@@ -199,9 +199,9 @@ def topk_weights_grad_fwd(dw: torch.Tensor, scores: torch.Tensor, experts: torch
     scores = scores.contiguous()  # the kernel reads a row's entries at unit stride
     ds = config.empty((t, e), dtype=torch.float32, device=scores.device)
     if t:
-        block_e, block_k = triton.next_power_of_2(e), triton.next_power_of_2(k)
+        block_e, block_k = launch.next_power_of_2(e), launch.next_power_of_2(k)
         block_t = max(1, min(32, 8192 // (block_e * block_k)))
-        launch.kernel(_topk_weights_grad_kernel)[(triton.cdiv(t, block_t),)](
+        launch.kernel(_topk_weights_grad_kernel)[(launch.cdiv(t, block_t),)](
             dw.float().contiguous(), scores, experts.contiguous(), ds, t, e, scores.stride(0), K=k,
             RENORM=renormalize, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k,
         )
@@ -214,8 +214,19 @@ def scatter_weights_fwd(weights: torch.Tensor, row_of: torch.Tensor) -> torch.Te
     n = weights.numel()
     out = config.empty((n,), dtype=torch.float32, device=weights.device)
     if n:
-        launch.kernel(_scatter_weights_kernel)[(triton.cdiv(n, 1024),)](
+        launch.kernel(_scatter_weights_kernel)[(launch.cdiv(n, 1024),)](
             weights.contiguous(), row_of.contiguous(), out, n, BLOCK=1024)
+    return out
+
+
+def gather_weights_fwd(grad: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+    """``scatter_weights_fwd``'s backward: grad (R,) fp32, row_of (T, K) int32 -> (T, K) fp32 with
+    out[t, k] = grad[row_of[t, k]], and zero where row_of[t, k] < 0, in one kernel."""
+    out = config.empty(row_of.shape, dtype=torch.float32, device=grad.device)
+    n = row_of.numel()
+    if n:
+        launch.kernel(_gather_weights_kernel)[(launch.cdiv(n, 1024),)](
+            grad.float().contiguous(), row_of.contiguous(), out, n, BLOCK=1024)
     return out
 
 
@@ -224,11 +235,11 @@ def gather_rows_with_ones(x: torch.Tensor, token_idx: torch.Tensor) -> torch.Ten
     are padded to a multiple of 64 elements (``index_select`` cannot write into such a buffer)."""
     x = unit_columns(x)
     r, d = token_idx.numel(), x.shape[1]
-    cols = triton.cdiv(d + 1, 64) * 64
+    cols = launch.cdiv(d + 1, 64) * 64
     out = config.empty((r, cols), dtype=x.dtype, device=x.device)
     if r:
         br, bd = (4, 32) if config.is_interpreting() else (8, 256)
-        launch.kernel(_gather_rows_ones_kernel)[(triton.cdiv(r, br), triton.cdiv(cols, bd))](
+        launch.kernel(_gather_rows_ones_kernel)[(launch.cdiv(r, br), launch.cdiv(cols, bd))](
             x, token_idx, out, r, d, cols, x.stride(0), out.stride(0), BLOCK_R=br, BLOCK_D=bd
         )
     return out[:, : d + 1]
@@ -244,7 +255,7 @@ def combine_fwd(y, weights, row_of):
     out = config.empty((t, d), dtype=y.dtype, device=y.device)
     if out.numel():
         bt, bd = _combine_blocks()
-        launch.kernel(_combine_kernel)[(triton.cdiv(t, bt), triton.cdiv(d, bd))](
+        launch.kernel(_combine_kernel)[(launch.cdiv(t, bt), launch.cdiv(d, bd))](
             y, weights, row_of, out, t, d, y.stride(0), out.stride(0), K=k, BLOCK_T=bt, BLOCK_D=bd
         )
     return out
@@ -261,7 +272,7 @@ def combine_bwd(dout, y, weights, row_of, need_weights: bool, rows: int | None =
     dw = config.empty((t, k), dtype=torch.float32, device=dout.device) if need_weights else None
     if t:
         bt, bd = _combine_blocks()
-        launch.kernel(_combine_bwd_kernel)[(triton.cdiv(t, bt),)](
+        launch.kernel(_combine_bwd_kernel)[(launch.cdiv(t, bt),)](
             dout, y, weights, row_of, dy, dw, t, d, dout.stride(0), y.stride(0) if y is not None else 0,
             dy.stride(0), K=k, BLOCK_T=bt, BLOCK_D=bd,
         )
@@ -342,46 +353,62 @@ def _(weights, row_of):
     return weights.new_empty((weights.numel(),), dtype=torch.float32)
 
 
+@custom_op("moekit::gather_weights")
+def _gather_weights_op(grad: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+    return gather_weights_fwd(grad, row_of)
+
+
+@_gather_weights_op.register_fake
+def _(grad, row_of):
+    return grad.new_empty(row_of.shape, dtype=torch.float32)
+
+
 def _scores(logits, sigmoid: bool):
     return logits.sigmoid() if sigmoid else logits.softmax(-1)
 
 
 @custom_op("moekit::router")
 def _router_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, expert_bias: torch.Tensor | None,
-               top_k: int, sigmoid: bool, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights (T, K) fp32, experts (T, K) int32) of ``topk_router`` without aux loss, in one op that
-    saves no (T, E) tensor: its backward recomputes the logits (one small GEMM) and the scores, then
-    takes the gradients the composition of ``router_logits``, the scores and ``_router_topk_op`` would
-    (bit for bit where the top-k kernel runs; on the pure-PyTorch path the composition differentiates
-    ``router_topk_ref`` by autograd, which rounds differently)."""
+               top_k: int, sigmoid: bool,
+               renormalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weights (T, K) fp32, experts (T, K) int32, scores (T, E) fp32) of ``topk_router`` without aux
+    loss, in one op. The scores are returned so that its backward reads them instead of recomputing the
+    logits (a GEMM and five small ops, ~0.1 ms of an eager step's host time, for T * E * 4 bytes kept);
+    the backward takes the gradients the composition of ``router_logits``, the scores and
+    ``_router_topk_op`` would (bit for bit where the top-k kernel runs; on the pure-PyTorch path the
+    composition differentiates ``router_topk_ref`` by autograd, which rounds differently)."""
     logits = router_logits(x, weight, bias)
     scores = _scores(logits, sigmoid)
     key = logits if expert_bias is None else scores + expert_bias.float()
     if config.uses_triton(logits.device):
-        return router_topk_fwd(key, scores, top_k, renormalize)
+        return *router_topk_fwd(key, scores, top_k, renormalize), scores
     weights, experts = router_topk_ref(logits, top_k, score_func="sigmoid" if sigmoid else "softmax",
                                        renormalize=renormalize, expert_bias=expert_bias)
-    return weights, experts.to(torch.int32)
+    return weights, experts.to(torch.int32), scores
 
 
 @_router_op.register_fake
 def _(x, weight, bias, expert_bias, top_k, sigmoid, renormalize):
     t = x.shape[0]
-    return x.new_empty((t, top_k), dtype=torch.float32), x.new_empty((t, top_k), dtype=torch.int32)
+    return (x.new_empty((t, top_k), dtype=torch.float32), x.new_empty((t, top_k), dtype=torch.int32),
+            x.new_empty((t, weight.shape[0]), dtype=torch.float32))
 
 
 def _router_setup(ctx, inputs, output):
     x, weight, bias, _, _, sigmoid, renormalize = inputs
-    ctx.save_for_backward(x, weight, bias, output[1])
+    ctx.save_for_backward(x, weight, bias, output[1], output[2])
     ctx.sigmoid, ctx.renormalize = sigmoid, renormalize
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the ids and the unused scores
 
 
-def _router_backward(ctx, dw, _):
-    x, weight, bias, experts = ctx.saved_tensors
+def _router_backward(ctx, dw, _, d_scores):
+    x, weight, bias, experts, scores = ctx.saved_tensors
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
-    logits = router_logits(x, weight, bias)  # the forward's logits again (the same GEMM)
-    scores = _scores(logits, ctx.sigmoid)
-    ds = topk_weights_grad(dw, scores, experts, ctx.renormalize)
+    if dw is None and d_scores is None:
+        return None, None, None, None, None, None, None
+    ds = None if dw is None else topk_weights_grad(dw, scores, experts, ctx.renormalize)
+    if d_scores is not None:  # (topk_router does not return the scores: only a direct caller of the op)
+        ds = d_scores if ds is None else ds + d_scores
     if ctx.sigmoid:
         dl = torch.ops.aten.sigmoid_backward(ds, scores)
     else:
@@ -522,8 +549,8 @@ def topk_router(
     check_router_args("topk_router", num_experts, top_k, score_func)
     if any(t is not None and t.device != x.device for t in (weight, bias, expert_bias)):
         raise ValueError("topk_router: x, weight, bias and expert_bias must be on one device")
-    if not aux_loss:  # one op, which saves no (T, E) tensor
-        weights, experts = _router_op(x, weight, bias, expert_bias, top_k, score_func == "sigmoid", renormalize)
+    if not aux_loss:  # one op, whose backward reads the scores it saved
+        weights, experts, _ = _router_op(x, weight, bias, expert_bias, top_k, score_func == "sigmoid", renormalize)
         counts, offs, token_idx, row_of = _metadata(experts, num_experts)
         return Routing(weights, experts, counts, offs, token_idx, row_of, None)
     logits = router_logits(x, weight, bias)
@@ -551,7 +578,7 @@ def _split_bf16(w: torch.Tensor) -> torch.Tensor:
     out = config.empty((2 * w.shape[0], w.shape[1]), dtype=torch.bfloat16, device=w.device)
     n = w.numel()
     if n:
-        launch.kernel(_split_bf16_kernel)[(triton.cdiv(n, 1024),)](w, out, n, BLOCK=1024)
+        launch.kernel(_split_bf16_kernel)[(launch.cdiv(n, 1024),)](w, out, n, BLOCK=1024)
     return out
 
 
@@ -676,8 +703,9 @@ def combine(y: torch.Tensor, weights: torch.Tensor | None, row_of: torch.Tensor)
 
 
 class _SortedWeightsFn(torch.autograd.Function):
-    """``sorted_weights``: one scatter kernel where Triton runs; the backward gathers through row_of
-    itself (int32, which the block keeps anyway), where ``index_copy``'s would save an int64 copy of it."""
+    """``sorted_weights``: one scatter kernel where Triton runs, and one gather kernel back; the backward
+    gathers through row_of itself (int32, which the block keeps anyway), where ``index_copy``'s would
+    save an int64 copy of it."""
 
     @staticmethod
     def forward(ctx, weights, row_of):
@@ -692,6 +720,8 @@ class _SortedWeightsFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (row_of,) = ctx.saved_tensors
+        if config.uses_triton(grad.device):
+            return _gather_weights_op(grad, row_of).to(ctx.weights_dtype), None
         g = grad.index_select(0, row_of.reshape(-1).clamp(min=0)).view(row_of.shape)
         return torch.where(row_of >= 0, g, 0.0).to(ctx.weights_dtype), None
 

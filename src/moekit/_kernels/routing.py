@@ -16,6 +16,7 @@
   through the renormalization if any: zero but at each token's K experts.
 * ``_split_bf16_kernel``: an fp32 tensor as two bf16 terms, hi = bf16(w) and lo = bf16(w - hi).
 * ``_scatter_weights_kernel``: out[row_of[i]] = w[i] in fp32 (the routing weights in sorted-row order).
+* ``_gather_weights_kernel``: out[i] = g[row_of[i]], zero where row_of[i] < 0 (its backward).
 * ``_gather_rows_ones_kernel``: out[r] = x[token_idx[r]] followed by a column of ones (the
   permute-free backward's copy of x for dW_up, whose ones column makes that GEMM yield db_up too;
   a plain gather is the plain combine's backward kernel).
@@ -108,6 +109,15 @@ def _scatter_weights_kernel(w, row_of, out, R, BLOCK: tl.constexpr):  # w, row_o
     rows = tl.load(row_of + idx, mask=ok, other=0)
     v = tl.load(w + idx, mask=ok, other=0.0).to(tl.float32)
     tl.store(out + rows, v, mask=ok & (rows >= 0))
+
+
+@triton.jit
+def _gather_weights_kernel(g, row_of, out, N, BLOCK: tl.constexpr):  # g (R,) fp32; row_of, out (N,) = (T*K,)
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < N
+    rows = tl.load(row_of + idx, mask=ok, other=-1)
+    v = tl.load(g + rows, mask=ok & (rows >= 0), other=0.0)
+    tl.store(out + idx, v, mask=ok)
 
 
 @triton.jit
