@@ -309,6 +309,26 @@ def test_combine_and_gather_with_absent_choices(interpreter, weighted):
     assert_within_baseline(x.grad, want, torch.zeros(t, d).index_add_(0, token_idx.long(), g.float()).to(BF16))
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # (numpy, on inf - inf)
+@pytest.mark.parametrize("t, e", [(0, 8), (1, 1), (37, 12), (130, 128)])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_split_logits_kernel_is_its_reference(interpreter, t, e, bias):
+    """The router's logits from the split GEMM's [hi | lo] product: one kernel, the bits of
+    split_logits_ref, infs and NaNs included (an inf hi keeps its sign whatever lo is)."""
+    from moekit.routing import split_logits_fwd, split_logits_ref
+
+    both = torch.randn(t, 2 * e)
+    if t > 2:
+        both[0, 0], both[0, e] = float("inf"), float("-inf")  # inf hi, lo of the other sign
+        both[1, 0], both[1, e] = float("-inf"), float("nan")  # inf hi, NaN lo
+        both[2, 0] = float("nan")  # NaN hi
+    b = torch.randn(e) if bias else None
+    got, want = split_logits_fwd(both, b), split_logits_ref(both, b)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    if t > 2:
+        assert got[0, 0] == float("inf") and got[1, 0] == float("-inf") and got[2, 0].isnan()
+
+
 def test_plain_combine_and_sorted_weights(interpreter):
     """combine without weights is a plain sum whose backward copies each token's gradient to its K
     rows (y is not saved); sorted_weights puts the (T, K) weights in expert-sorted row order."""

@@ -10,6 +10,8 @@ from moekit.routing import (
     router_topk_fwd,
     routing_metadata_fwd,
     sorted_weights,
+    split_logits_fwd,
+    split_logits_ref,
     topk_weights_grad_fwd,
     topk_weights_grad_ref,
 )
@@ -25,6 +27,14 @@ def test_route_metadata_exact(t, e, k):
     ids = torch.rand(t, e, device=DEV).topk(k, -1).indices.to(torch.int32)
     for a, b in zip(routing_metadata_fwd(ids, e), routing_metadata_ref(ids, e), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_split_logits_kernel_is_its_reference(bias):
+    both = torch.randn(4099, 256, device=DEV)
+    both[0, 0], both[0, 128], both[1, 0], both[1, 128] = float("inf"), float("-inf"), float("-inf"), float("nan")
+    b = torch.randn(128, device=DEV) if bias else None
+    torch.testing.assert_close(split_logits_fwd(both, b), split_logits_ref(both, b), rtol=0, atol=0, equal_nan=True)
 
 
 def test_router_small_kernels():

@@ -31,6 +31,7 @@ from ._kernels.routing import (
     _router_topk_kernel,
     _scatter_weights_kernel,
     _split_bf16_kernel,
+    _split_logits_kernel,
     _topk_weights_grad_kernel,
 )
 from .dispatch import custom_op
@@ -568,6 +569,32 @@ def topk_router(
     return Routing(weights, experts, counts, offs, token_idx, row_of, loss)
 
 
+def split_logits_ref(both: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp32 logits (T, E) from the split GEMM's product both (T, 2E) fp32, [x.hi | x.lo], and the bias
+    (E,) or None: hi + lo, except hi where hi is an inf (an inf in x makes x.hi an inf of w's sign, the
+    fp32 product's; x.lo may be an inf of the other sign, lo holding hi's rounding error, or NaN, inf
+    times a zero lo, which would make the sum NaN), then + bias."""
+    e = both.shape[1] // 2
+    hi, lo = both[:, :e], both[:, e:]
+    logits = torch.where(hi.isinf(), hi, hi + lo)
+    return logits if bias is None else logits + bias.float()
+
+
+def split_logits_fwd(both: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``split_logits_ref`` in one kernel (the same bits): both (T, 2E) fp32 with unit stride along
+    its columns, bias (E,) fp32 or None -> (T, E) fp32."""
+    t, e = both.shape[0], both.shape[1] // 2
+    out = config.empty((t, e), dtype=torch.float32, device=both.device)
+    if t and e:
+        block_e = launch.next_power_of_2(e)
+        block_t = max(1, min(64, 4096 // block_e))
+        launch.kernel(_split_logits_kernel)[(launch.cdiv(t, block_t),)](
+            both, bias if bias is not None else out, out, t, e, both.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_E=block_e,
+        )
+    return out
+
+
 def _split_bf16(w: torch.Tensor) -> torch.Tensor:
     """(E, D) fp32 -> (2E, D) bf16 [hi; lo] with hi + lo = w to ~16 mantissa bits (one kernel where
     Triton runs, the same bits)."""
@@ -588,17 +615,14 @@ def _router_logits_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     split into two bf16 terms (hi + lo, ~16 mantissa bits: routing then agrees with an fp32 GEMM up
     to near-ties), in one GEMM with fp32 accumulation and output, and no fp32 copy of x. A custom op,
     so that torch.compile keeps the fp32 output instead of decomposing it."""
-    e = weight.shape[0]
     split = _split_bf16(weight.float())
     if x.is_cuda:
         both = torch.mm(x, split.t(), out_dtype=torch.float32)  # (T, 2E)
     else:  # (mm's out_dtype form is CUDA's; the same exact bf16 products, for tests of this arithmetic)
         both = x.float() @ split.float().t()
-    hi, lo = both[:, :e], both[:, e:]
-    # an inf in x makes x.hi an inf of w's sign, the fp32 product's; x.lo may be an inf of the other
-    # sign (lo holds hi's rounding error) or NaN (inf * a zero lo), which would make the sum NaN
-    logits = torch.where(hi.isinf(), hi, hi + lo)
-    return logits if bias is None else logits + bias.float()
+    if config.uses_triton(both.device):  # the sum and the bias in one kernel, as _split_logits_ref
+        return split_logits_fwd(both, None if bias is None else bias.float().contiguous())
+    return split_logits_ref(both, bias)
 
 
 @_router_logits_op.register_fake

@@ -15,6 +15,8 @@
 * ``_topk_weights_grad_kernel``: the router scores' gradient (T, E) from the chosen weights' (T, K),
   through the renormalization if any: zero but at each token's K experts.
 * ``_split_bf16_kernel``: an fp32 tensor as two bf16 terms, hi = bf16(w) and lo = bf16(w - hi).
+* ``_split_logits_kernel``: the fp32 logits from the split GEMM's (T, 2E) product [x.hi | x.lo]:
+  hi + lo (hi where hi is an inf), plus the router bias.
 * ``_scatter_weights_kernel``: out[row_of[i]] = w[i] in fp32 (the routing weights in sorted-row order).
 * ``_gather_weights_kernel``: out[i] = g[row_of[i]], zero where row_of[i] < 0 (its backward).
 * ``_gather_rows_ones_kernel``: out[r] = x[token_idx[r]] followed by a column of ones (the
@@ -100,6 +102,25 @@ def _split_bf16_kernel(w, out, N, BLOCK: tl.constexpr):  # w (E*D,) fp32 -> out 
     hi = v.to(tl.bfloat16)  # round to nearest even, as torch's .to(torch.bfloat16)
     tl.store(out + idx, hi, mask=ok)
     tl.store(out + N + idx, (v - hi.to(tl.float32)).to(tl.bfloat16), mask=ok)
+
+
+@triton.jit
+def _split_logits_kernel(
+    both, bias, out, T, E, stride_both,  # both (T, 2E) fp32 [hi | lo]; bias (E,) fp32; out (T, E) fp32
+    HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    ok = (rows[:, None] < T) & (cols[None, :] < E)
+    at = both + rows[:, None].to(tl.int64) * stride_both + cols[None, :]
+    hi = tl.load(at, mask=ok, other=0.0)
+    lo = tl.load(at + E, mask=ok, other=0.0)
+    # an inf in x makes x.hi an inf of w's sign, the fp32 product's; x.lo may be an inf of the other
+    # sign (lo holds hi's rounding error) or NaN (inf * a zero lo), which would make the sum NaN
+    v = tl.where(tl.abs(hi) == float("inf"), hi, hi + lo)
+    if HAS_BIAS:  # a second rounding, as torch's (hi + lo) + bias
+        v = v + tl.load(bias + cols, mask=cols < E, other=0.0)[None, :]
+    tl.store(out + rows[:, None].to(tl.int64) * E + cols[None, :], v, mask=ok)
 
 
 @triton.jit
