@@ -58,16 +58,22 @@ def _nvfp4_inputs():  # K = F = 64: packed weights take K in multiples of 64
     )
 
 
+def _fp8_inputs():
+    return dict(x=torch.randn(M, K, dtype=torch.bfloat16), w=torch.randn(E, 200, 130, dtype=torch.bfloat16),
+                offs=torch.tensor([10, 10, 30, 41], dtype=torch.int32))
+
+
 # block -> its prelude, or why it does not run here (one line each)
 PRELUDES = {
     0: _gemm_inputs,
     1: _expert_inputs,
     2: _layer_inputs,
     3: _nvfp4_inputs,
-    4: "a torch.distributed process group over NCCL",
-    5: "a transformers checkpoint to load",
-    6: dict,
-    7: "torch.compile's reduce-overhead mode on a GPU (tests/test_graphs_gpu.py runs this loop)",
+    4: _fp8_inputs,
+    5: "a torch.distributed process group over NCCL",
+    6: "a transformers checkpoint to load",
+    7: dict,
+    8: "torch.compile's reduce-overhead mode on a GPU (tests/test_graphs_gpu.py runs this loop)",
 }
 
 

@@ -10,7 +10,7 @@ Expert-sorted rows are split into groups by ``offs`` (E,) int32: cumulative row 
 device and are never read by the host.
 """
 
-from . import distributed, nvfp4
+from . import distributed, fp8, nvfp4
 from .config import Options, TileConfig, get_options, options, set_options
 from .epilogue import SwiGLU
 from .experts import grouped_mm_downproj, grouped_mm_swiglu, swiglu
@@ -56,6 +56,7 @@ __all__ = [
     "combine",
     "combine_ref",
     "distributed",
+    "fp8",
     "gather_rows",
     "get_options",
     "graphed",

@@ -1,0 +1,30 @@
+"""FP8 (e4m3) with blockwise fp32 scales, the recipe of DeepSeek-V3's training: the format
+(``formats``: quantize activations in 1 x 128 groups, weights in 128 x 128 blocks, a weight gradient's
+operands in 128 x 1 groups of one expert's rows, and dequantize). Every op has a pure-PyTorch
+``*_ref`` twin, bit for bit. The FP8 grouped GEMMs and the training recipe build on it.
+"""
+
+from .formats import (
+    AMAX_FLOOR,
+    E4M3_MAX,
+    GROUP,
+    dequantize,
+    dequantize_ragged_t,
+    dequantize_ragged_t_ref,
+    dequantize_ref,
+    dequantize_weights,
+    dequantize_weights_ref,
+    quantize,
+    quantize_ragged_t,
+    quantize_ragged_t_ref,
+    quantize_ref,
+    quantize_weights,
+    quantize_weights_ref,
+    ragged_groups_ref,
+)
+
+__all__ = [
+    "AMAX_FLOOR", "E4M3_MAX", "GROUP", "dequantize", "dequantize_ragged_t", "dequantize_ragged_t_ref",
+    "dequantize_ref", "dequantize_weights", "dequantize_weights_ref", "quantize", "quantize_ragged_t",
+    "quantize_ragged_t_ref", "quantize_ref", "quantize_weights", "quantize_weights_ref", "ragged_groups_ref",
+]
