@@ -1,17 +1,20 @@
-"""FP8 blockwise quantize passes on the GPU against the device copy's bandwidth, in one process.
+"""FP8 blockwise quantize passes and the FP8 grouped GEMM on the GPU, in one process.
 
-GB/s counts the bytes read (bf16 operands) plus written (e4m3 values and fp32 scales). Shapes: the
-activations of a gpt-oss-20b layer at training size (1 x 128 groups along K), the same rows as a weight
-gradient's operand (128 x 1 groups within each of 32 balanced experts, stored transposed), and the
-expert weights (128 x 128 blocks).
+Quantize: GB/s counts the bytes read (bf16 operands) plus written (e4m3 values and fp32 scales), against
+the device copy. Shapes: the activations of a gpt-oss-20b layer at training size (1 x 128 groups along
+K), the same rows as a weight gradient's operand (128 x 1 groups within each of 32 balanced experts,
+stored transposed), and the expert weights (128 x 128 blocks). GEMM: ``fp8.grouped_mm_fp8`` against
+moekit's bf16 ``grouped_mm`` on the same problem (gpt-oss-20b's up-projection, 32 experts), CUDA-graph
+replays.
 
     python benchmarks/bench_fp8.py
 """
 
 import torch
 
+import moekit
 from moekit import fp8
-from moekit.bench import bench_ms, copy_bandwidth_gbs, environment
+from moekit.bench import bench_ms, copy_bandwidth_gbs, environment, graph_ms
 
 
 def main():
@@ -38,6 +41,18 @@ def main():
         ms = bench_ms(fn)
         gbs = nbytes / ms / 1e6
         print(f"| {name} | {shape} | {ms:.3f} | {gbs:.0f} | {gbs / copy:.2f} |", flush=True)
+    print("\n| grouped GEMM | problem | FP8 ms | FP8 TF/s | bf16 ms | bf16 TF/s | bf16 / FP8 |")
+    print("|---|---|---|---|---|---|---|")
+    mm, n = 32768, 2 * k
+    a = torch.randn(mm, k, device=dev, dtype=torch.bfloat16)
+    o = torch.linspace(mm / e, mm, e, device=dev).round().to(torch.int32)
+    av, as_ = fp8.quantize(a)
+    wv, ws = fp8.quantize_weights(w)
+    t8 = graph_ms(lambda: fp8.grouped_mm_fp8(av, as_, wv, ws, o))
+    t16 = graph_ms(lambda: moekit.grouped_mm(a, w.mT, o))
+    tf = 2.0 * mm * n * k / 1e9
+    print(f"| forward (rows-ragged) | M={mm} K={k} N={n} E={e} | {t8:.3f} | {tf / t8:.0f} | {t16:.3f} | "
+          f"{tf / t16:.0f} | {t16 / t8:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

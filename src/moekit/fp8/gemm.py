@@ -1,0 +1,107 @@
+"""The rows-ragged grouped GEMM on blockwise FP8 operands: ``quantize``'s activations times
+``quantize_weights``' expert weights, the forward (and dgrad) GEMM of FP8 training.
+
+``grouped_mm_fp8(a, a_scales, b, b_scales, offs)``: a (M, K) e4m3 with (M, cdiv(K, 128)) fp32 scales,
+b (E, N, K) e4m3 (K-major, the layout FP8 tensor cores read: a weight (E, out, in) as stored, or
+``quantize_weights(w.mT)`` for its transpose) with (E, cdiv(N, 128), cdiv(K, 128)) fp32 scales, offs (E,)
+int32 cumulative row counts -> (M, N): row m of expert e is sum over K groups kb of the fp32 partial
+product times a_scale[m, kb] * b_scale[e, n // 128, kb]; rows past offs[-1] are zero. ``*_ref`` is the
+same computation in torch ops (per-group fp32 partial products, then the scales); the two differ only in
+the order of fp32 accumulation, and each is held to a float64 product of the dequantized operands.
+Non-finite scales (a group that held a NaN or an inf) propagate to the rows and columns they scale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import config, launch
+from .._kernels.fp8_gemm import _grouped_mm_fp8_kernel
+from ..reference import _bounds
+from .formats import GROUP, _groups
+
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_BLOCK_M = 64  # rows per program (one expert's); the columns per program are one 128-wide scale group
+
+
+def _check(a, a_scales, b, b_scales, offs, out_dtype, name: str = "grouped_mm_fp8") -> None:
+    if a.dim() != 2 or b.dim() != 3 or a.shape[1] != b.shape[2]:
+        raise ValueError(f"{name}: a (M, K) and b (E, N, K), got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"{name}: a and b must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
+    (m, k), (e, n, _) = a.shape, b.shape
+    want_a, want_b = (m, _groups(k)), (e, _groups(n), _groups(k))
+    if tuple(a_scales.shape) != want_a or tuple(b_scales.shape) != want_b:
+        raise ValueError(f"{name}: scales {want_a} and {want_b} for a {tuple(a.shape)} and b {tuple(b.shape)}, got "
+                         f"{tuple(a_scales.shape)} and {tuple(b_scales.shape)}")
+    if a_scales.dtype != torch.float32 or b_scales.dtype != torch.float32:
+        raise TypeError(f"{name}: scales must be float32, got {a_scales.dtype} and {b_scales.dtype}")
+    if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or tuple(offs.shape) != (e,):
+        got = (offs.dtype, tuple(offs.shape)) if isinstance(offs, torch.Tensor) else type(offs).__name__
+        raise ValueError(f"{name}: offs must be an ({e},) int32 tensor of cumulative row counts, got {got}")
+    if len({t.device for t in (a, a_scales, b, b_scales, offs)}) != 1:
+        raise ValueError(f"{name}: a, b, their scales and offs must be on one device")
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"{name}: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+
+
+def grouped_mm_fp8_ref(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                       offs: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``grouped_mm_fp8``'s twin in torch ops (reads offs on the host: not for torch.compile)."""
+    _check(a, a_scales, b, b_scales, offs, out_dtype)
+    (m, k), n = a.shape, b.shape[1]
+    out = torch.zeros(m, n, dtype=torch.float32, device=a.device)
+    col_scales = b_scales.repeat_interleave(GROUP, dim=1)[:, :n]  # (E, N, GK)
+    for g, (s, t) in enumerate(_bounds(offs, m)):
+        for kb in range(_groups(k)):
+            ks = slice(kb * GROUP, min(k, (kb + 1) * GROUP))
+            part = a[s:t, ks].float() @ b[g, :, ks].float().T
+            out[s:t] += part * (a_scales[s:t, kb, None] * col_scales[g, None, :, kb])
+    return out.to(out_dtype)
+
+
+def grouped_mm_fp8_fwd(a, a_scales, b, b_scales, offs, out_dtype: torch.dtype) -> torch.Tensor:
+    (m, k), (e, n, _) = a.shape, b.shape
+    out = config.empty((m, n), dtype=out_dtype, device=a.device)
+    if m and n:
+        a = a if a.stride(1) == 1 else a.contiguous()
+        b = b if b.stride(2) == 1 else b.contiguous()
+        b_scales = b_scales if b_scales.stride(2) == 1 else b_scales.contiguous()
+        launch.kernel(_grouped_mm_fp8_kernel)[(launch.cdiv(m, _BLOCK_M) + e, launch.cdiv(n, GROUP))](
+            a.view(torch.uint8), a_scales.contiguous(), b.view(torch.uint8), b_scales, offs.contiguous(), out,
+            m, n, k, e,
+            a.stride(0), a_scales.shape[1], b.stride(0), b.stride(1), b_scales.stride(0), b_scales.stride(1),
+            out.stride(0), BLOCK_M=_BLOCK_M, BLOCK_N=GROUP, BLOCK_K=GROUP,
+            BLOCK_E=max(launch.next_power_of_2(e), 2), num_warps=4, num_stages=3,
+        )
+    return out
+
+
+@torch.library.custom_op("moekit::grouped_mm_fp8", mutates_args=())
+def _grouped_mm_fp8_op(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                       offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a and b as their e4m3 bytes (uint8): torch has few fp8 ops on the CPU, which op checks need."""
+    fp8_dtype = torch.float8_e4m3fn
+    return grouped_mm_fp8_fwd(a.view(fp8_dtype), a_scales, b.view(fp8_dtype), b_scales, offs, out_dtype)
+
+
+@_grouped_mm_fp8_op.register_fake
+def _(a, a_scales, b, b_scales, offs, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def grouped_mm_fp8(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                   offs: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Rows-ragged a (M, K) @ b[e] (N, K)^T per expert on blockwise FP8 operands -> (M, N) in out_dtype
+    (the module docstring states the computation). offs is read on the device (non-decreasing, not
+    checked there; clamped into [0, M] as ``moekit.grouped_mm`` clamps it): no host sync, CUDA-graph
+    safe. Not differentiable."""
+    _check(a, a_scales, b, b_scales, offs, out_dtype)
+    if not config.uses_triton(a.device):
+        return grouped_mm_fp8_ref(a, a_scales, b, b_scales, offs, out_dtype=out_dtype)
+    if torch.compiler.is_compiling():
+        return _grouped_mm_fp8_op(a.view(torch.uint8), a_scales, b.view(torch.uint8), b_scales, offs, out_dtype)
+    return grouped_mm_fp8_fwd(a, a_scales, b, b_scales, offs, out_dtype)
+
+
+__all__ = ["grouped_mm_fp8", "grouped_mm_fp8_ref"]
