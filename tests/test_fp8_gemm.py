@@ -5,21 +5,12 @@ keep ~14 bits of each 128-wide group's partial sum, measured 2^-12 of the larges
 
 import pytest
 import torch
+from test_fp8 import BF16, DEVICES, _device
 
 from moekit import fp8
 from moekit.fp8.gemm import _grouped_mm_fp8_op
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # (numpy, on NaN)
-BF16 = torch.bfloat16
-DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="gpu", marks=pytest.mark.gpu)]
-
-
-def _device(device):
-    if device == "cpu":
-        from moekit import config
-
-        assert config.is_interpreting()
-    return device
 
 
 def _operands(m, k, n, counts, device):
