@@ -76,7 +76,7 @@ def test_cached_launch_passes_every_argument_in_declaration_order(monkeypatch, c
     fn = _FakeJIT()
     runs = []
     monkeypatch.setattr(launch, "_driver", lambda: type("D", (), {"get_current_device": staticmethod(lambda: 0)}))
-    monkeypatch.setattr(launch, "_run", lambda compiled, grid, values, device: runs.append(list(values)))
+    monkeypatch.setattr(launch, "_run", lambda compiled, grid, values, device, direct=None: runs.append(list(values)))
     k = launch.Kernel(fn)
     k[(1,)](*args, **kwargs)
     assert fn.calls == [(args, kwargs)] and runs == []
@@ -94,6 +94,107 @@ def test_missing_argument_goes_to_tritons_path(monkeypatch):
     k[(1,)](1)  # b missing: Triton's own error would come from its path
     k[(1,)](1)
     assert len(fn.calls) == 2
+
+
+def _fake_compiled(monkeypatch, descriptors: bool):
+    """A compiled kernel whose launcher is Triton's own ``CudaLauncher`` class (of the installed version)
+    around a C launch function that records its arguments; the descriptor encoding (which needs a GPU)
+    is replaced by one that records what it encoded."""
+    from triton.backends.nvidia import driver as nvidia
+
+    calls, encoded = [], []
+
+    def make(arg, meta):
+        encoded.append((arg.base.data_ptr(), tuple(arg.shape)))
+        return [("map", arg.base.data_ptr(), tuple(arg.shape), tuple(arg.strides), meta["swizzle"]), *arg.shape,
+                *arg.strides]
+
+    monkeypatch.setattr(nvidia, "make_tensordesc_arg", make)
+    if descriptors:
+        signature = {"a": "*bf16", "x": "tensordesc<bf16[16, 32]>", "n": "i32", "y": "tensordesc<bf16[1, 16, 32]>",
+                     "B": "constexpr"}
+        metas = [{"swizzle": 1}, {"swizzle": 2}]
+    else:
+        signature, metas = {"a": "*bf16", "n": "i32", "B": "constexpr"}, None
+    launcher = object.__new__(nvidia.CudaLauncher)
+    launcher.launch = nvidia.wrap_handle_tensordesc(lambda *a: calls.append(a), signature, metas)
+    launcher.num_ctas, launcher.launch_cooperative_grid, launcher.launch_pdl = 1, False, True
+    launcher.global_scratch_size = launcher.profile_scratch_size = 0
+    launcher.global_scratch_align = launcher.profile_scratch_align = 1
+    if "arg_annotations" in nvidia.CudaLauncher.__init__.__code__.co_names:  # Triton 3.7's shared launch
+        launcher.arg_annotations, launcher.kernel_signature = "annotations", b"signature"
+    compiled = type("Compiled", (), {})()
+    compiled.run, compiled.function, compiled.packed_metadata = launcher, 77, (4, 1, 0)
+    compiled.src = type("Src", (), {"signature": signature})()
+    compiled.metadata = type("Meta", (), {"tensordesc_meta": metas})()
+    return compiled, calls, encoded
+
+
+@pytest.mark.parametrize("descriptors", [False, True], ids=["pointers", "descriptors"])
+def test_direct_launch_hands_the_c_launcher_tritons_arguments(monkeypatch, descriptors):
+    """``_Direct`` calls the C launch function with what Triton's ``CudaLauncher`` would pass it, and
+    encodes a descriptor once per (address, shape, strides), again for a new region."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    compiled, calls, encoded = _fake_compiled(monkeypatch, descriptors)
+    direct = launch._direct(compiled)
+    assert direct is not None
+    a, b = torch.empty(64, 64, dtype=torch.bfloat16), torch.empty(64, 64, dtype=torch.bfloat16)
+
+    def values(x):
+        if not descriptors:
+            return (a, 5, 16)
+        return (a, TensorDescriptor(x, [64, 64], [64, 1], [16, 32]), 5,
+                TensorDescriptor(x, [1, 64, 64], [4096, 64, 1], [1, 16, 32]), 16)
+
+    def flat(call):  # Triton 3.7 passes the kernel's arguments as one sequence (a tuple or a list)
+        return call[:-1] + tuple(call[-1]) if isinstance(call[-1], (tuple, list)) else call
+
+    for x in (a, a, b):
+        compiled.run(1, 2, 3, 99, compiled.function, compiled.packed_metadata, None, None, None, *values(x))
+        direct(1, 2, 3, 99, None, None, None, values(x))
+        assert flat(calls[-1]) == flat(calls[-2]) and len(flat(calls[-1])) > 12
+    if descriptors:  # Triton's path encodes both descriptors at every launch; the direct one once per region
+        assert len(encoded) == 2 * 3 + 2 * 2
+        assert flat(calls[-1]) != flat(calls[1])  # the new region's encoding reached the launch
+
+
+def test_direct_launch_declines_what_it_does_not_know(monkeypatch):
+    compiled, _, _ = _fake_compiled(monkeypatch, True)
+    compiled.run.global_scratch_size = 128  # scratch memory: Triton's launcher allocates it
+    assert launch._direct(compiled) is None
+    compiled, _, _ = _fake_compiled(monkeypatch, True)
+    compiled.metadata.tensordesc_meta = None  # descriptors decomposed to pointers
+    assert launch._direct(compiled) is None
+    assert launch._direct(object()) is None
+
+
+@pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
+def test_descriptors_built_without_checks_equal_checked_ones(gluon):
+    """``descriptors.descriptor`` builds the first descriptor of a kind through the class's checks and
+    later ones field by field: the same class and fields as the checked constructor gives."""
+    from moekit import descriptors
+
+    layout = None
+    if gluon:
+        from triton.experimental.gluon import language as gl
+
+        layout = gl.NVMMASharedLayout.get_default_for([16, 32], gl.bfloat16)
+    t = torch.empty(128, 64, dtype=torch.bfloat16)
+    descriptors.descriptor(t, [128, 64], [64, 1], [16, 32], layout)
+    assert (t.dtype, (16, 32), layout, 2) in {k[1:] for k in descriptors._CHECKED}
+    later = descriptors.descriptor(t[16:], [112, 64], [64, 1], [16, 32], layout)
+    cls = descriptors._gluon_descriptor_class() if gluon else descriptors.TensorDescriptor
+    ref = cls(t[16:], [112, 64], [64, 1], [16, 32], *([layout] if gluon else []))
+    assert type(later) is cls and vars(later).keys() == vars(ref).keys()
+    for name, value in vars(ref).items():
+        if name == "base":
+            assert later.base.data_ptr() == value.data_ptr() and later.base.shape == value.shape
+        else:
+            assert getattr(later, name) == value, name
+    for shape, strides in (([0, 64], [64, 1]), ([112, 64], [1, 112])):
+        with pytest.raises(ValueError, match="positive shape and a unit last stride"):
+            descriptors.descriptor(t, shape, strides, [16, 32], layout)
 
 
 def test_host_grid_arithmetic_is_tritons():
@@ -129,6 +230,10 @@ def test_fast_launch_gives_tritons_bits():
     from moekit._kernels.routing import _combine_kernel
 
     assert launch.cached_signatures(_combine_kernel) >= 1
+    # every kernel of the step launches through the direct path, TMA descriptors included
+    entries = [e for _, k in launch._KERNELS.values() if isinstance(k, launch.Kernel) for e in k._compiled.values()]
+    assert entries and all(direct is not None for _, direct in entries)
+    assert any(direct.slots for _, direct in entries)
 
 
 @pytest.mark.gpu

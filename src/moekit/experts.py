@@ -34,7 +34,7 @@ from . import config, launch
 from ._kernels.epilogue import _swiglu_bwd_kernel, _swiglu_kernel
 from ._kernels.experts import _grouped_colsum_kernel, _grouped_mm_swiglu_kernel
 from ._kernels.hopper_modes import Epilogue
-from .descriptors import TensorDescriptor, row_bounded, tma_ok, weight_descriptor
+from .descriptors import TensorDescriptor, descriptor, row_bounded, tma_ok, weight_descriptor
 from .dispatch import custom_op
 from .epilogue import SwiGLU
 from .grouped_gemm import _grouped_mm_op, _op_mm, _ragged_k, _ragged_m, grouped_mm_fwd, k_major, weight_grad
@@ -99,7 +99,7 @@ def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig
     if tma:  # the epilogue stores in two halves: quarter-width h boxes (see the kernel)
         aux_block = [bm, bf // 2] if spec.halves else [bm, bn // 2]
         args = (
-            TensorDescriptor(x, [m, d], [x.stride(0), 1], [bm, bk]) if token_idx is None else x,
+            descriptor(x, [m, d], [x.stride(0), 1], [bm, bk]) if token_idx is None else x,
             weight_descriptor(w, bk, bf if spec.halves else bn),
             row_bounded(aux_a, aux_block),
             row_bounded(aux_b, aux_block),

@@ -16,7 +16,7 @@ import torch
 from . import config, launch
 from ._kernels.grouped_gemm import _grouped_mm_ragged_k_kernel, _grouped_mm_ragged_m_kernel
 from ._kernels.hopper_modes import ColSum
-from .descriptors import TensorDescriptor, row_bounded, tma_ok, weight_descriptor
+from .descriptors import TensorDescriptor, descriptor, row_bounded, tma_ok, weight_descriptor
 from .dispatch import custom_op
 from .hopper import WS_TILE, ws_gemm, ws_ragged_k, ws_rows_ragged
 from .reference import grouped_mm_ref
@@ -58,7 +58,7 @@ def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None, bias=None, g
     )
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     if tma:
-        a_arg = TensorDescriptor(a, [m, k], [a.stride(0), 1], [bm, bk])
+        a_arg = descriptor(a, [m, k], [a.stride(0), 1], [bm, bk])
         b_arg = weight_descriptor(b, bk, bn)
         c_arg = row_bounded(out, [bm, bn // 2 if cfg.split_store else bn])
     else:
@@ -125,7 +125,7 @@ def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None, *, ones_row:
     if tma:
         a_arg = row_bounded(a.mT, [bk, bm])
         b_arg = row_bounded(b, [bk, bn])
-        c_arg = TensorDescriptor(out, list(out.shape), [out.stride(0), out.stride(1), 1],
+        c_arg = descriptor(out, list(out.shape), [out.stride(0), out.stride(1), 1],
                                  [1, bm, bn // 2 if cfg.split_store else bn])
     else:
         a_arg, b_arg, c_arg = a, b, out

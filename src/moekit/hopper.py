@@ -13,7 +13,7 @@ import torch
 
 from . import config, launch
 from ._kernels.hopper_modes import ColSum, Epilogue
-from .descriptors import row_bounded, tma_ok, weight_descriptor
+from .descriptors import descriptor, row_bounded, tma_ok, weight_descriptor
 from .validation import ALIGN
 
 WS_TILE = (128, 256, 64)  # (block_m, block_n, block_k): two consumer warpgroups of 64 rows
@@ -57,9 +57,7 @@ def _bf16_smem_layout(block: tuple):
 def ws_desc(t, shape, strides, block):
     """A Gluon TMA descriptor over bf16 ``t`` with the default swizzled layout for ``block`` (the layout
     built once per box shape: ~10 us of host time per call otherwise)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
-
-    return GluonDescriptor(t, shape, strides, block, _bf16_smem_layout(tuple(block)))
+    return descriptor(t, shape, strides, block, _bf16_smem_layout(tuple(block)))
 
 
 def ws_ok(a: torch.Tensor, b: torch.Tensor, *outs: torch.Tensor) -> bool:

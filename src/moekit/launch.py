@@ -18,6 +18,14 @@ exactly as ``fn[grid](*args, **kwargs)`` would, with less host work on every cal
 - What depends only on the call's argument types and keyword names (which values key by value and
   which by facts, where each declared parameter comes from) is worked out once per such signature
   (``_Layout``), so a cached launch walks only its tensors and descriptors in Python.
+- A cached kernel is launched through ``_Direct``: the C launch function under Triton's ``CudaLauncher``,
+  called with the argument list Triton's Python wrapper would build, and each TMA descriptor's expansion
+  (``CUtensorMap``, shape, strides) kept under the facts it encodes (address, shape, strides, padding;
+  the dtype, box and swizzle are the compiled kernel's), so a descriptor over the same memory region is
+  encoded once, not at every launch. The encoding is a pure function of that key, so a kept expansion
+  is never stale; it holds no tensor. Where the launcher is not of the two forms known (Triton 3.6's
+  compiled-per-kernel module, 3.7's shared ``launch`` with argument annotations) or the kernel needs
+  scratch memory, ``CompiledKernel.run`` launches it as before.
 
 What is skipped on the fast path, and why that is safe: the globals check (moekit's kernels read only
 module constants); the compile-cache lookup by string (the key above is finer); the pre-run hooks
@@ -154,20 +162,21 @@ class Kernel:
             if layout is None:
                 layout = self._layouts[sig] = _Layout(sig[0], sig[1], self)
             key = self._key(values, sig, layout, device)
-            compiled = self._compiled.get(key)
+            entry = self._compiled.get(key)
         except (TypeError, KeyError):  # a value that cannot key a cache, a missing argument: Triton's path
             return self.fn[grid](*args, **kwargs)
-        if compiled is None:
+        if entry is None:
             compiled = self.fn[grid](*args, **kwargs)  # binds, compiles or finds, launches
             if compiled is not None:
                 if len(self._compiled) >= _CACHE_LIMIT:
                     self._compiled.clear()
-                self._compiled[key] = compiled
+                self._compiled[key] = (compiled, _direct(compiled))
             return compiled
         if layout.order is not None:
             every = values + self._defaults
             values = [every[i] for i in layout.order]
-        _run(compiled, grid, values, device)
+        compiled, direct = entry
+        _run(compiled, grid, values, device, direct)
         return compiled
 
 
@@ -194,14 +203,90 @@ def _live(hook):
     return None
 
 
-def _run(compiled, grid, values, device: int) -> None:
+_DESC_CACHE_LIMIT = 512  # encoded descriptors per kernel; past it that cache starts afresh
+
+
+class _Direct:
+    """A compiled kernel's launch without Triton's Python launcher: the C launch function, the launch
+    options, and the TMA descriptors' expansions kept by the facts they encode (module docstring)."""
+
+    __slots__ = ("compiled", "raw", "annotated", "base", "tail", "slots", "make", "encoded")
+
+    def __init__(self, compiled, raw, annotated: bool, slots: tuple, make):
+        launcher = compiled.run
+        self.compiled, self.raw, self.annotated, self.slots, self.make = compiled, raw, annotated, slots, make
+        coop, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
+        # Triton 3.7: launch(grid, stream, function, coop, pdl, metadata, launch metadata, hooks, scratch x 2,
+        # annotations, signature, [args]); 3.6: launch(grid, stream, function, coop, pdl, scratch x 2,
+        # metadata, launch metadata, hooks, *args)
+        self.base = (compiled.function, coop, pdl) if annotated else (compiled.function, coop, pdl, None, None)
+        self.tail = (None, None, launcher.arg_annotations, launcher.kernel_signature) if annotated else ()
+        self.encoded: dict = {}
+
+    def expand(self, values) -> list:
+        """The kernel's arguments as Triton's launcher hands them to the C launch function."""
+        args = list(values)
+        encoded = self.encoded
+        for i, meta in self.slots:  # descending: each splice leaves the earlier positions in place
+            d = args[i]
+            key = (i, d.base.data_ptr(), tuple(d.shape), tuple(d.strides), d.padding,
+                   getattr(d, "round_f32_to_tf32", False))
+            expansion = encoded.get(key)
+            if expansion is None:
+                if len(encoded) >= _DESC_CACHE_LIMIT:
+                    encoded.clear()
+                expansion = encoded[key] = self.make(d, meta)
+            args[i:i + 1] = expansion
+        return args
+
+    def __call__(self, g0, g1, g2, stream, meta, enter, leave, values) -> None:
+        packed = self.compiled.packed_metadata
+        args = self.expand(values) if self.slots else values
+        if self.annotated:
+            self.raw(g0, g1, g2, stream, *self.base, packed, meta, enter, leave, *self.tail, args)
+        else:
+            self.raw(g0, g1, g2, stream, *self.base, packed, meta, enter, leave, *args)
+
+
+def _direct(compiled):
+    """``compiled``'s :class:`_Direct` launch, or None where its launcher is not one of the forms known."""
+    launcher = getattr(compiled, "run", None)
+    try:
+        if type(launcher).__name__ != "CudaLauncher" or launcher.global_scratch_size or launcher.profile_scratch_size:
+            return None
+        from triton.backends.nvidia import driver as nvidia
+
+        signature = list(compiled.src.signature.values())
+        positions = [i for i, s in enumerate(signature) if isinstance(s, str) and s.startswith("tensordesc")]
+        metas = getattr(compiled.metadata, "tensordesc_meta", None)
+        wrapped = launcher.launch
+        if positions:
+            if not metas or len(metas) != len(positions) or not hasattr(nvidia, "make_tensordesc_arg"):
+                return None  # descriptors decomposed to pointers, or an unknown wrapper
+            cells = dict(zip(wrapped.__code__.co_freevars, wrapped.__closure__ or (), strict=False))
+            if "launcher" not in cells:
+                return None
+            raw = cells["launcher"].cell_contents
+        else:
+            raw = wrapped
+        annotated = hasattr(launcher, "arg_annotations") and hasattr(launcher, "kernel_signature")
+        slots = tuple(sorted(zip(positions, metas, strict=True), key=lambda s: -s[0])) if positions else ()
+        return _Direct(compiled, raw, annotated, slots, nvidia.make_tensordesc_arg)
+    except (AttributeError, ImportError, TypeError, ValueError):
+        return None
+
+
+def _run(compiled, grid, values, device: int, direct=None) -> None:
     stream = _driver().get_current_stream(device)
     n = len(grid)
     g0, g1, g2 = grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1
     hooks = _hooks()
     enter, leave = _live(hooks.launch_enter_hook), _live(hooks.launch_exit_hook)
     meta = compiled.launch_metadata(grid, stream, *values) if enter is not None else None
-    compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, meta, enter, leave, *values)
+    if direct is not None:
+        direct(g0, g1, g2, stream, meta, enter, leave, values)
+    else:
+        compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, meta, enter, leave, *values)
 
 
 _KERNELS: dict = {}  # id(fn) -> (fn, its Kernel): a JIT function's own hash is a Python call into Triton
@@ -219,10 +304,13 @@ def kernel(fn):
     return entry[1]
 
 
-def cached_signatures(fn) -> int:
-    """How many call signatures of ``fn`` the launch layer holds a compiled kernel for (a test aid)."""
+def cached_signatures(fn, *, direct: bool = False) -> int:
+    """How many call signatures of ``fn`` the launch layer holds a compiled kernel for; with ``direct``,
+    how many of them launch through :class:`_Direct` (a test aid)."""
     entry = _KERNELS.get(id(fn))
-    return 0 if entry is None or entry[0] is not fn else len(entry[1]._compiled)
+    if entry is None or entry[0] is not fn:
+        return 0
+    return sum(1 for _, d in entry[1]._compiled.values() if d is not None or not direct)
 
 
 __all__ = ["Kernel", "cached_signatures", "cdiv", "kernel", "next_power_of_2"]

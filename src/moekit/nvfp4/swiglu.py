@@ -35,7 +35,7 @@ import torch
 
 from .. import config, launch
 from .._kernels.nvfp4_swiglu import _grouped_mm_swiglu_nvfp4_kernel, _swiglu_quantize_kernel
-from ..descriptors import TensorDescriptor, weight_descriptor
+from ..descriptors import descriptor, weight_descriptor
 from ..epilogue import SwiGLU, swiglu_torch
 from ..experts import _TL_DTYPES, _check_expert_inputs, _tma_views_ok
 from ..hopper import ws_swiglu_nvfp4, ws_swiglu_nvfp4_ok
@@ -212,7 +212,7 @@ def grouped_mm_swiglu_nvfp4_fwd(x, w, offs, bias, gscale, alpha, limit, linear_o
         raise ValueError(f"grouped_mm_swiglu_nvfp4: block_n must be a multiple of {2 * BLOCK}, got {bn}")
     halves = layout == "halves"
     if d > 0 and _tma_views_ok(x, w, ()):
-        a_arg = TensorDescriptor(x, [m, d], [x.stride(0), 1], [bm, bk])
+        a_arg = descriptor(x, [m, d], [x.stride(0), 1], [bm, bk])
         b_arg, tma = weight_descriptor(w, bk, bf if halves else bn), True
     else:
         a_arg, b_arg, tma = x, w, False
