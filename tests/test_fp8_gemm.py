@@ -8,7 +8,7 @@ import torch
 from test_fp8 import BF16, DEVICES, _device
 
 from moekit import fp8
-from moekit.fp8.gemm import _grouped_mm_fp8_op
+from moekit.fp8.gemm import _grouped_mm_fp8_op, grouped_mm_fp8_fwd
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # (numpy, on NaN)
 
@@ -33,10 +33,11 @@ def _oracle(a, a_scales, b, b_scales, offs):
     return out
 
 
-CASES = [  # (M, K, N, counts): why
+CASES = [  # (M, K, N, counts): why (K % 16 == 0 takes TMA operands, the others masked pointers)
     ((200, 300, 260, [0, 70, 0, 120]), "empty experts, K and N tails, rows past offs[-1]"),
     ((256, 128, 128, [256]), "one hot expert, one K group"),
     ((65, 1000, 300, [1, 64]), "a one-row expert, a full tile, eight K groups"),
+    ((300, 256, 260, [0, 100, 0, 150]), "TMA operands: empty experts, an N tail, rows past offs[-1]"),
     ((0, 64, 32, [0, 0]), "no rows"),
     ((9, 40, 7, [3, 3, 3]), "K below one group, N below one tile"),
 ]
@@ -58,6 +59,9 @@ def test_grouped_mm_fp8_against_float64(device, case):
     bound = 2 * ref_err + 2.0**-22 * top if device == "cpu" else 2.0**-10 * top
     assert err <= bound, (err, ref_err, top)
     assert bool((got[sum(counts):] == 0).all())  # rows past offs[-1]
+    if m and k % 16 == 0:  # the masked-pointer operands on the same problem
+        got_ptr = grouped_mm_fp8_fwd(*ops, torch.float32, tma=False)
+        assert float((got_ptr.double() - want).abs().max()) <= bound
     # bf16 output: the fp32 result rounded once
     got16 = fp8.grouped_mm_fp8(*ops)
     assert got16.dtype == BF16

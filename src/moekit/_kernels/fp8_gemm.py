@@ -5,8 +5,13 @@ with e the expert of row m. Each K group's partial product comes from the tensor
 promoted into the fp32 accumulator with its two scales (Hopper's FP8 accumulator keeps ~14 bits, so the
 recipe promotes every 128 of K). One program per (row tile of one expert, 128 output columns): the row
 tiles are each expert's rows in tiles of BLOCK_M, found on the device from ``offs``; the programs past
-the last expert's tiles zero the rows past offs[-1]. Not persistent, no TMA, no warp specialization:
-the first, plain form, correct on every path (the interpreter reads fp8 exactly).
+the last expert's tiles zero the rows past offs[-1]. Not persistent, no warp specialization.
+
+Operands: with USE_TMA, ``a`` is a TMA descriptor over a (M, K) e4m3 and ``b`` one over b viewed as
+(E * N, K), boxes (BLOCK_M, BLOCK_K) and (BLOCK_N, BLOCK_K); a tile's rows past its expert's end and
+columns past N are read (the next expert's, or zeros past the tensor) but never stored. Otherwise both
+are their e4m3 bytes (uint8) read through masked pointers, bitcast to e4m3 (the interpreter's path: it
+reads fp8 exactly from bytes).
 """
 
 import triton
@@ -19,6 +24,7 @@ def _grouped_mm_fp8_kernel(
     M, N, K, E,  # b (E, N, K) e4m3 bytes, unit stride along K; b_scales (E, GN, GK) fp32, unit stride along GK
     stride_am, stride_as, stride_be, stride_bn, stride_bse, stride_bsn, stride_om,  # out (M, N)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     t, pn = tl.program_id(0), tl.program_id(1)
     ex = tl.arange(0, BLOCK_E)
@@ -40,13 +46,19 @@ def _grouped_mm_fp8_kernel(
     col_ok = cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     r64 = rows.to(tl.int64)
-    a_rows = a + r64[:, None] * stride_am
-    b_cols = b + e.to(tl.int64) * stride_be + cols[:, None].to(tl.int64) * stride_bn
+    if not USE_TMA:
+        a_rows = a + r64[:, None] * stride_am
+        b_cols = b + e.to(tl.int64) * stride_be + cols[:, None].to(tl.int64) * stride_bn
     for kb in range(0, tl.where(tail, 0, tl.cdiv(K, BLOCK_K))):
-        ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        x = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0).to(tl.float8e4nv, bitcast=True)
-        w = tl.load(b_cols + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0).to(tl.float8e4nv, bitcast=True)
+        if USE_TMA:
+            x = a.load([row0, kb * BLOCK_K])
+            w = b.load([e * N + pn * BLOCK_N, kb * BLOCK_K])
+        else:
+            ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            x = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0)
+            w = tl.load(b_cols + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0)
+            x, w = x.to(tl.float8e4nv, bitcast=True), w.to(tl.float8e4nv, bitcast=True)
         part = tl.dot(x, tl.trans(w))  # (BLOCK_M, BLOCK_N) fp32
         sa = tl.load(a_scales + r64 * stride_as + kb, mask=row_ok, other=0.0)
         sb = tl.load(b_scales + e.to(tl.int64) * stride_bse + pn * stride_bsn + kb)  # BLOCK_N = 128: one

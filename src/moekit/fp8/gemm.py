@@ -17,11 +17,14 @@ import torch
 
 from .. import config, launch
 from .._kernels.fp8_gemm import _grouped_mm_fp8_kernel
+from ..descriptors import descriptor, tma_ok
 from ..reference import _bounds
 from .formats import GROUP, _groups
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_BLOCK_M = 64  # rows per program (one expert's); the columns per program are one 128-wide scale group
+# (rows per program, warps, pipeline stages); the columns per program are one 128-wide scale group
+TILE_TMA = (64, 4, 3)  # TMA operands (H200: 0.98-1.04x bf16; 128 and 256 rows 0.61-0.96x: probes/fp8_tiles.py)
+TILE_POINTERS = (64, 4, 3)  # masked pointer operands (K % 16 != 0)
 
 
 def _check(a, a_scales, b, b_scales, offs, out_dtype, name: str = "grouped_mm_fp8") -> None:
@@ -60,19 +63,32 @@ def grouped_mm_fp8_ref(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor,
     return out.to(out_dtype)
 
 
-def grouped_mm_fp8_fwd(a, a_scales, b, b_scales, offs, out_dtype: torch.dtype) -> torch.Tensor:
+def grouped_mm_fp8_fwd(a, a_scales, b, b_scales, offs, out_dtype: torch.dtype, tile: tuple | None = None,
+                       tma: bool | None = None) -> torch.Tensor:
+    """The kernel's launch (inputs checked by the caller). ``tile`` (rows per program, warps, stages) and
+    ``tma`` override the defaults: TMA operands where the device has TMA (and under the interpreter, which
+    emulates it) and the rows are 16-byte aligned (K % 16 == 0), with ``TILE_TMA``; else pointers, with
+    ``TILE_POINTERS``."""
     (m, k), (e, n, _) = a.shape, b.shape
     out = config.empty((m, n), dtype=out_dtype, device=a.device)
     if m and n:
         a = a if a.stride(1) == 1 else a.contiguous()
-        b = b if b.stride(2) == 1 else b.contiguous()
+        b = b if b.stride(2) == 1 and b.stride(0) == n * b.stride(1) else b.contiguous()
         b_scales = b_scales if b_scales.stride(2) == 1 else b_scales.contiguous()
-        launch.kernel(_grouped_mm_fp8_kernel)[(launch.cdiv(m, _BLOCK_M) + e, launch.cdiv(n, GROUP))](
-            a.view(torch.uint8), a_scales.contiguous(), b.view(torch.uint8), b_scales, offs.contiguous(), out,
+        if tma is None:
+            tma = config.use_tma(a.device) and k > 0 and tma_ok(a, 1) and tma_ok(b, 2)
+        block_m, warps, stages = tile or (TILE_TMA if tma else TILE_POINTERS)
+        if tma:
+            a_arg = descriptor(a, [m, k], [a.stride(0), 1], [block_m, GROUP])
+            b_arg = descriptor(b, [e * n, k], [b.stride(1), 1], [GROUP, GROUP])
+        else:
+            a_arg, b_arg = a.view(torch.uint8), b.view(torch.uint8)
+        launch.kernel(_grouped_mm_fp8_kernel)[(launch.cdiv(m, block_m) + e, launch.cdiv(n, GROUP))](
+            a_arg, a_scales.contiguous(), b_arg, b_scales, offs.contiguous(), out,
             m, n, k, e,
             a.stride(0), a_scales.shape[1], b.stride(0), b.stride(1), b_scales.stride(0), b_scales.stride(1),
-            out.stride(0), BLOCK_M=_BLOCK_M, BLOCK_N=GROUP, BLOCK_K=GROUP,
-            BLOCK_E=max(launch.next_power_of_2(e), 2), num_warps=4, num_stages=3,
+            out.stride(0), BLOCK_M=block_m, BLOCK_N=GROUP, BLOCK_K=GROUP,
+            BLOCK_E=max(launch.next_power_of_2(e), 2), USE_TMA=tma, num_warps=warps, num_stages=stages,
         )
     return out
 
