@@ -4,10 +4,12 @@ take on Hopper, and how far it is from bf16 (open question: the FP8 issue's ≥ 
 Per problem: moekit's bf16 ``grouped_mm``, ``torch._grouped_mm`` (bf16) and, where the installed torch
 has it, ``torch._scaled_grouped_mm`` (rowwise FP8: per-row and per-column scales, no promotion), against
 ``grouped_mm_fp8_fwd`` at several (rows per program, warps, stages) with TMA and with pointer operands;
-CUDA-graph replays, balanced experts.
+CUDA-graph replays, balanced experts. Then the weight gradient, FP8 against bf16.
 
-    python probes/fp8_tiles.py
+    python probes/fp8_tiles.py [--only forward|wgrad]
 """
+
+import argparse
 
 import torch
 
@@ -61,11 +63,35 @@ def problem(name, m, k, n, e):
         print(f"| {name} | {label} | {ms:.3f} | {tf / ms:.0f} | {base / ms:.2f} |", flush=True)
 
 
+def wgrad(name, m, k, n, e):
+    """The weight gradient dW (E, N, K) = dY_e^T X_e: FP8 (``weight_grad_fp8``, operands from
+    ``quantize_ragged_t``) against moekit's bf16 ragged-K ``grouped_mm``."""
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    offs = torch.linspace(m / e, m, e, device="cuda").round().to(torch.int32)
+    dy_t, dy_s, _ = fp8.quantize_ragged_t(dy, offs)
+    x_t, x_s, _ = fp8.quantize_ragged_t(x, offs)
+    fns = {"moekit bf16 wgrad": lambda: moekit.grouped_mm(dy.mT, x, offs),
+           "fp8 wgrad (pointers, 64x64)": lambda: fp8.weight_grad_fp8(dy_t, dy_s, x_t, x_s, offs)}
+    tf, base = 2.0 * m * n * k / 1e9, None
+    for label, fn in fns.items():
+        ms = graph_ms(fn)
+        base = base or ms
+        print(f"| {name} | {label} | {ms:.3f} | {tf / ms:.0f} | {base / ms:.2f} |", flush=True)
+
+
 def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--only", choices=["forward", "wgrad"])
+    a = p.parse_args()
     print(environment())
     print("| problem | kernel | ms | TF/s | × moekit bf16 |\n|---|---|---|---|---|")
     for name, (m, k, n, e) in PROBLEMS.items():
-        problem(name, m, k, n, e)
+        if a.only != "wgrad":
+            problem(name, m, k, n, e)
+        if a.only != "forward":
+            wgrad(name, m, k, n, e)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import torch
 from test_fp8 import BF16, DEVICES, _device
 
 from moekit import fp8
-from moekit.fp8.gemm import _grouped_mm_fp8_op, grouped_mm_fp8_fwd
+from moekit.fp8.gemm import _grouped_mm_fp8_op, _weight_grad_fp8_op, grouped_mm_fp8_fwd
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # (numpy, on NaN)
 
@@ -103,3 +103,95 @@ def test_custom_op_passes_opcheck(interpreter):
     a, a_scales, b, b_scales, offs = _operands(33, 200, 130, [10, 20], "cpu")
     args = (a.view(torch.uint8), a_scales, b.view(torch.uint8), b_scales, offs, BF16)
     torch.library.opcheck(_grouped_mm_fp8_op, args)
+
+
+# --------------------------------------------------------------------------------------------------
+# the weight gradient
+# --------------------------------------------------------------------------------------------------
+
+
+def _wgrad_operands(m, n, k, counts, device, scale=1.0):
+    dy = (torch.randn(m, n, device=device) * scale).to(BF16)
+    x = torch.randn(m, k, device=device).to(BF16)
+    offs = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+    dy_t, dy_s, _ = fp8.quantize_ragged_t(dy, offs)
+    x_t, x_s, _ = fp8.quantize_ragged_t(x, offs)
+    return dy_t, dy_s, x_t, x_s, offs
+
+
+def _wgrad_oracle(dy_t, dy_s, x_t, x_s, offs):
+    """float64 dY_e^T X_e of the dequantized operands, per expert."""
+    dy = fp8.dequantize_ragged_t_ref(dy_t, dy_s, offs).double()
+    x = fp8.dequantize_ragged_t_ref(x_t, x_s, offs).double()
+    out = torch.zeros(offs.numel(), dy.shape[1], x.shape[1], dtype=torch.float64, device=dy.device)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        out[g] = dy[start:end].T @ x[start:end]
+        start = end
+    return out
+
+
+WGRAD_CASES = [  # (M, N, K, counts): why
+    ((300, 70, 90, [0, 129, 0, 150]), "empty experts, a 1-row tail group, N and K tails, rows past offs[-1]"),
+    ((256, 64, 128, [256]), "one hot expert, two full groups"),
+    ((5, 33, 17, [1, 1, 3]), "experts of one row"),
+    ((0, 16, 16, [0, 0]), "no rows"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", [c[0] for c in WGRAD_CASES], ids=[c[1] for c in WGRAD_CASES])
+def test_weight_grad_fp8_against_float64(device, case):
+    dev = _device(device)
+    m, n, k, counts = case
+    ops = _wgrad_operands(m, n, k, counts, dev)
+    want = _wgrad_oracle(*ops)
+    got = fp8.weight_grad_fp8(*ops, out_dtype=torch.float32)
+    ref = fp8.weight_grad_fp8_ref(*ops, out_dtype=torch.float32)
+    assert got.shape == (len(counts), n, k) and got.dtype == torch.float32
+    top = float(want.abs().max()) if want.numel() else 0.0
+    ref_err = float((ref.double() - want).abs().max()) if want.numel() else 0.0
+    err = float((got.double() - want).abs().max()) if want.numel() else 0.0
+    bound = 2 * ref_err + 2.0**-22 * top if device == "cpu" else 2.0**-10 * top
+    assert err <= bound, (err, ref_err, top)
+    for g, c in enumerate(counts):  # an expert without rows: zeros
+        if c == 0:
+            assert bool((got[g] == 0).all())
+    got16 = fp8.weight_grad_fp8(*ops)
+    assert got16.dtype == BF16
+    torch.testing.assert_close(got16.float(), got.to(BF16).float(), rtol=2.0**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_weight_grad_fp8_nonfinite_group_reaches_only_its_expert(device):
+    """A NaN in dY's column 3 within expert 1's rows: dW[1] row 3 is NaN, nothing else."""
+    dev = _device(device)
+    dy_t, dy_s, x_t, x_s, offs = _wgrad_operands(200, 20, 24, [60, 140], dev)
+    dy = fp8.dequantize_ragged_t(dy_t, dy_s, offs).to(BF16)
+    dy[100, 3] = float("nan")
+    dy_t, dy_s, _ = fp8.quantize_ragged_t(dy, offs)
+    out = fp8.weight_grad_fp8(dy_t, dy_s, x_t, x_s, offs)
+    bad = out.isnan()
+    assert bool(bad[1, 3].all()) and int(bad.sum()) == 24
+
+
+@pytest.mark.parametrize("bad, err", [
+    (dict(dy_t=torch.zeros(8, 4, dtype=BF16)), TypeError),
+    (dict(x_t=torch.zeros(6, 5, dtype=torch.float8_e4m3fn)), ValueError),
+    (dict(offs=torch.tensor([2, 4])), ValueError),
+    (dict(dy_scales=torch.zeros(2, 8)), ValueError),
+    (dict(x_scales=torch.zeros(3, 6, dtype=torch.float64)), TypeError),
+    (dict(out_dtype=torch.int32), TypeError),
+], ids=["bf16 dy", "x rows differ", "int64 offs", "dy scales shape", "fp64 x scales", "int out"])
+def test_weight_grad_bad_input_raises_the_same_from_kernel_and_reference(interpreter, bad, err):
+    dy_t, dy_s, x_t, x_s, offs = _wgrad_operands(4, 8, 6, [2, 2], "cpu")
+    args = dict(dy_t=dy_t, dy_scales=dy_s, x_t=x_t, x_scales=x_s, offs=offs, out_dtype=BF16) | bad
+    for fn in (fp8.weight_grad_fp8, fp8.weight_grad_fp8_ref):
+        with pytest.raises(err):
+            fn(*(args[a] for a in ("dy_t", "dy_scales", "x_t", "x_scales", "offs")), out_dtype=args["out_dtype"])
+
+
+def test_weight_grad_custom_op_passes_opcheck(interpreter):
+    dy_t, dy_s, x_t, x_s, offs = _wgrad_operands(150, 40, 24, [10, 0, 140], "cpu")
+    args = (dy_t.view(torch.uint8), dy_s, x_t.view(torch.uint8), x_s, offs, BF16)
+    torch.library.opcheck(_weight_grad_fp8_op, args)

@@ -1,4 +1,6 @@
-"""The rows-ragged grouped GEMM on blockwise FP8 operands (``moekit.fp8.gemm``).
+"""The grouped GEMMs on blockwise FP8 operands (``moekit.fp8.gemm``): the rows-ragged one
+(``_grouped_mm_fp8_kernel``, below) and the weight gradient over each expert's rows
+(``_weight_grad_fp8_kernel``, its own docstring).
 
 out[m, n] = sum over 128-wide K groups kb of (a[m, kb] . b[e, n, kb]) * a_scale[m, kb] * b_scale[e, n // 128, kb],
 with e the expert of row m. Each K group's partial product comes from the tensor cores in fp32 and is
@@ -65,3 +67,48 @@ def _grouped_mm_fp8_kernel(
         acc += part * (sa[:, None] * sb)
     tl.store(out + r64[:, None] * stride_om + cols[None, :], acc.to(out.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _weight_grad_fp8_kernel(
+    dy_t, dy_scales, x_t, x_scales, offs, out,  # dy_t (N, M), x_t (K, M) e4m3 bytes; offs (E,) int32
+    M, N, K, E,  # dy_scales (G, N), x_scales (G, K) fp32, G = cdiv(M, 128) + E; out (E, N, K)
+    stride_dy, stride_dys, stride_x, stride_xs, stride_oe, stride_on,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """out[e, n, k] = sum over expert e's 128-row groups g (``quantize_ragged_t``'s: an expert's rows from
+    its start, the last group its tail) of (dy_t[n, g] . x_t[k, g]) * dy_scale[g, n] * x_scale[g, k]: a
+    weight gradient dY_e^T X_e, each group's fp32 partial product promoted with its two scales. One
+    program per (expert, BLOCK_N x BLOCK_K output tile); an expert without rows writes zeros. Operands
+    through masked pointers (a group's rows start anywhere), bitcast from bytes to e4m3."""
+    pid = tl.program_id(0)
+    tiles_n, tiles_k = tl.cdiv(N, BLOCK_N), tl.cdiv(K, BLOCK_K)
+    e = pid // (tiles_n * tiles_k)
+    pn = pid % (tiles_n * tiles_k) // tiles_k
+    pk = pid % tiles_k
+    ex = tl.arange(0, BLOCK_E)
+    in_e = ex < E
+    end = tl.minimum(tl.maximum(tl.load(offs + ex, mask=in_e, other=0), 0), M)
+    start = tl.minimum(tl.maximum(tl.load(offs + ex - 1, mask=in_e & (ex > 0), other=0), 0), end)
+    groups = tl.where(in_e, (end - start + GROUP - 1) // GROUP, 0)
+    first = tl.sum(tl.where(ex == e, tl.cumsum(groups, 0) - groups, 0), 0)  # e's first group
+    row_start = tl.sum(tl.where(ex == e, start, 0), 0)
+    row_end = tl.sum(tl.where(ex == e, end, 0), 0)
+    ns = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = pk * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_ok, k_ok = ns < N, ks < K
+    dy_rows = dy_t + ns[:, None].to(tl.int64) * stride_dy
+    x_rows = x_t + ks[:, None].to(tl.int64) * stride_x
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for j in range(0, tl.cdiv(row_end - row_start, GROUP)):
+        rows = row_start + j * GROUP + tl.arange(0, GROUP)
+        r_ok = rows < row_end
+        dy = tl.load(dy_rows + rows[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0)
+        xx = tl.load(x_rows + rows[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0)
+        part = tl.dot(dy.to(tl.float8e4nv, bitcast=True), tl.trans(xx.to(tl.float8e4nv, bitcast=True)))
+        g = (first + j).to(tl.int64)
+        sd = tl.load(dy_scales + g * stride_dys + ns, mask=n_ok, other=0.0)
+        sx = tl.load(x_scales + g * stride_xs + ks, mask=k_ok, other=0.0)
+        acc += part * (sd[:, None] * sx[None, :])
+    ptrs = out + e.to(tl.int64) * stride_oe + ns[:, None].to(tl.int64) * stride_on + ks[None, :]
+    tl.store(ptrs, acc.to(out.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])

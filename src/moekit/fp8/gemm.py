@@ -1,5 +1,6 @@
-"""The rows-ragged grouped GEMM on blockwise FP8 operands: ``quantize``'s activations times
-``quantize_weights``' expert weights, the forward (and dgrad) GEMM of FP8 training.
+"""The grouped GEMMs on blockwise FP8 operands: the rows-ragged one, ``quantize``'s activations times
+``quantize_weights``' expert weights (the forward and dgrad GEMM of FP8 training), and the weight
+gradient ``weight_grad_fp8`` on ``quantize_ragged_t``'s operands (its own docstring).
 
 ``grouped_mm_fp8(a, a_scales, b, b_scales, offs)``: a (M, K) e4m3 with (M, cdiv(K, 128)) fp32 scales,
 b (E, N, K) e4m3 (K-major, the layout FP8 tensor cores read: a weight (E, out, in) as stored, or
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .. import config, launch
-from .._kernels.fp8_gemm import _grouped_mm_fp8_kernel
+from .._kernels.fp8_gemm import _grouped_mm_fp8_kernel, _weight_grad_fp8_kernel
 from ..descriptors import descriptor, tma_ok
 from ..reference import _bounds
 from .formats import GROUP, _groups
@@ -120,4 +121,100 @@ def grouped_mm_fp8(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_s
     return grouped_mm_fp8_fwd(a, a_scales, b, b_scales, offs, out_dtype)
 
 
-__all__ = ["grouped_mm_fp8", "grouped_mm_fp8_ref"]
+# --------------------------------------------------------------------------------------------------
+# the weight gradient: K ragged (each expert's rows), operands from quantize_ragged_t
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_wgrad(dy_t, dy_scales, x_t, x_scales, offs, out_dtype, name: str = "weight_grad_fp8") -> None:
+    if dy_t.dim() != 2 or x_t.dim() != 2 or dy_t.shape[1] != x_t.shape[1]:
+        raise ValueError(f"{name}: dy_t (N, M) and x_t (K, M) over the same M rows, got {tuple(dy_t.shape)} and "
+                         f"{tuple(x_t.shape)}")
+    if dy_t.dtype != torch.float8_e4m3fn or x_t.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"{name}: dy_t and x_t must be float8_e4m3fn, got {dy_t.dtype} and {x_t.dtype}")
+    if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or offs.dim() != 1 or offs.numel() == 0:
+        got = (offs.dtype, tuple(offs.shape)) if isinstance(offs, torch.Tensor) else type(offs).__name__
+        raise ValueError(f"{name}: offs must be an (E,) int32 tensor of cumulative row counts, got {got}")
+    (n, m), k, e = dy_t.shape, x_t.shape[0], offs.numel()
+    g = _groups(m) + e
+    if tuple(dy_scales.shape) != (g, n) or tuple(x_scales.shape) != (g, k):
+        raise ValueError(f"{name}: scales ({g}, {n}) and ({g}, {k}) (quantize_ragged_t's, cdiv(M, 128) + E groups), "
+                         f"got {tuple(dy_scales.shape)} and {tuple(x_scales.shape)}")
+    if dy_scales.dtype != torch.float32 or x_scales.dtype != torch.float32:
+        raise TypeError(f"{name}: scales must be float32, got {dy_scales.dtype} and {x_scales.dtype}")
+    if len({t.device for t in (dy_t, dy_scales, x_t, x_scales, offs)}) != 1:
+        raise ValueError(f"{name}: the operands, their scales and offs must be on one device")
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"{name}: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+
+
+def weight_grad_fp8_ref(dy_t: torch.Tensor, dy_scales: torch.Tensor, x_t: torch.Tensor, x_scales: torch.Tensor,
+                        offs: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``weight_grad_fp8``'s twin in torch ops (reads offs on the host: not for torch.compile)."""
+    _check_wgrad(dy_t, dy_scales, x_t, x_scales, offs, out_dtype)
+    (n, m), k = dy_t.shape, x_t.shape[0]
+    out = torch.zeros(offs.numel(), n, k, dtype=torch.float32, device=dy_t.device)
+    g = 0
+    for ex, (s, t) in enumerate(_bounds(offs, m)):
+        for r0 in range(s, t, GROUP):
+            rows = slice(r0, min(t, r0 + GROUP))
+            part = dy_t[:, rows].float() @ x_t[:, rows].float().T
+            out[ex] += part * (dy_scales[g, :, None] * x_scales[g, None, :])
+            g += 1
+    return out.to(out_dtype)
+
+
+_WGRAD_TILE = (64, 64, 4)  # (BLOCK_N, BLOCK_K, warps): a first, untuned choice
+
+
+def weight_grad_fp8_fwd(dy_t, dy_scales, x_t, x_scales, offs, out_dtype: torch.dtype) -> torch.Tensor:
+    (n, m), k, e = dy_t.shape, x_t.shape[0], offs.numel()
+    out = config.empty((e, n, k), dtype=out_dtype, device=dy_t.device)
+    if n and k:
+        dy_t = dy_t if dy_t.stride(1) == 1 else dy_t.contiguous()
+        x_t = x_t if x_t.stride(1) == 1 else x_t.contiguous()
+        dy_scales, x_scales = dy_scales.contiguous(), x_scales.contiguous()
+        block_n, block_k, warps = _WGRAD_TILE
+        launch.kernel(_weight_grad_fp8_kernel)[(e * launch.cdiv(n, block_n) * launch.cdiv(k, block_k),)](
+            dy_t.view(torch.uint8), dy_scales, x_t.view(torch.uint8), x_scales, offs.contiguous(), out,
+            m, n, k, e, dy_t.stride(0), dy_scales.stride(0), x_t.stride(0), x_scales.stride(0), out.stride(0),
+            out.stride(1), BLOCK_N=block_n, BLOCK_K=block_k, GROUP=GROUP,
+            BLOCK_E=max(launch.next_power_of_2(e), 2), num_warps=warps,
+        )
+    return out
+
+
+@torch.library.custom_op("moekit::weight_grad_fp8", mutates_args=())
+def _weight_grad_fp8_op(dy_t: torch.Tensor, dy_scales: torch.Tensor, x_t: torch.Tensor, x_scales: torch.Tensor,
+                        offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """dy_t and x_t as their e4m3 bytes (uint8), as ``moekit::grouped_mm_fp8``."""
+    fp8_dtype = torch.float8_e4m3fn
+    return weight_grad_fp8_fwd(dy_t.view(fp8_dtype), dy_scales, x_t.view(fp8_dtype), x_scales, offs, out_dtype)
+
+
+@_weight_grad_fp8_op.register_fake
+def _(dy_t, dy_scales, x_t, x_scales, offs, out_dtype):
+    return dy_t.new_empty((offs.shape[0], dy_t.shape[0], x_t.shape[0]), dtype=out_dtype)
+
+
+def weight_grad_fp8(dy_t: torch.Tensor, dy_scales: torch.Tensor, x_t: torch.Tensor, x_scales: torch.Tensor,
+                    offs: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The weight gradient of ``grouped_mm_fp8``'s b on FP8 operands: dW[e] = dY_e^T X_e -> (E, N, K) in
+    out_dtype, dY_e and X_e expert e's rows [offs[e-1], offs[e]).
+
+    dy_t, dy_scales, _ = ``quantize_ragged_t(dy, offs)`` and x_t, x_scales, _ = ``quantize_ragged_t(x, offs)``:
+    dy_t (N, M) and x_t (K, M) e4m3, scales (cdiv(M, 128) + E, N) and (.., K) fp32, one row per 128-row group
+    of an expert's rows (its last group its tail, down to 1 row). dW[e][n, k] = sum over e's groups g of the
+    fp32 partial product times dy_scale[g, n] * x_scale[g, k]. Rows past offs[-1] are read by no expert; an
+    expert without rows gets zeros. offs is read on the device (clamped as ``quantize_ragged_t`` clamps it):
+    no host sync, CUDA-graph safe. Not differentiable."""
+    _check_wgrad(dy_t, dy_scales, x_t, x_scales, offs, out_dtype)
+    if not config.uses_triton(dy_t.device):
+        return weight_grad_fp8_ref(dy_t, dy_scales, x_t, x_scales, offs, out_dtype=out_dtype)
+    if torch.compiler.is_compiling():
+        return _weight_grad_fp8_op(dy_t.view(torch.uint8), dy_scales, x_t.view(torch.uint8), x_scales, offs,
+                                   out_dtype)
+    return weight_grad_fp8_fwd(dy_t, dy_scales, x_t, x_scales, offs, out_dtype)
+
+
+__all__ = ["grouped_mm_fp8", "grouped_mm_fp8_ref", "weight_grad_fp8", "weight_grad_fp8_ref"]
