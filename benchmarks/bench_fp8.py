@@ -14,19 +14,15 @@ import torch
 
 import moekit
 from moekit import fp8
-from moekit.bench import bench_ms, copy_bandwidth_gbs, environment, graph_ms
+from moekit.bench import balanced_offs, bandwidth_preamble, bench_ms, graph_ms
 
 
 def main():
     dev = "cuda"
-    torch.manual_seed(0)
-    print(environment())
-    copy = copy_bandwidth_gbs()
-    print(f"device copy: {copy:.0f} GB/s (read + write)\n")
-    print("| pass | shape | ms | GB/s | of copy |\n|---|---|---|---|---|")
+    copy = bandwidth_preamble("pass")
     m, k, e = 24576 * 4, 2880, 32
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    offs = torch.linspace(m / e, m, e, device=dev).round().to(torch.int32)
+    offs = balanced_offs(m, e)
     w = torch.randn(e, 2 * k, k, device=dev, dtype=torch.bfloat16)
     rows = [
         ("quantize (1x128)", f"{m}x{k} bf16", lambda: fp8.quantize(x), 3 * m * k + 4 * m * (k // 128)),
@@ -45,7 +41,7 @@ def main():
     print("|---|---|---|---|---|---|---|")
     mm, n = 32768, 2 * k
     a = torch.randn(mm, k, device=dev, dtype=torch.bfloat16)
-    o = torch.linspace(mm / e, mm, e, device=dev).round().to(torch.int32)
+    o = balanced_offs(mm, e)
     av, as_ = fp8.quantize(a)
     wv, ws = fp8.quantize_weights(w)
     t8 = graph_ms(lambda: fp8.grouped_mm_fp8(av, as_, wv, ws, o))

@@ -19,23 +19,14 @@ import torch
 
 import moekit
 from moekit import config, nvfp4
-from moekit.bench import bench_ms, copy_bandwidth_gbs, environment, graph_ms
+from moekit.bench import balanced_offs, bandwidth_preamble, bench_ms, graph_ms
 from moekit.nvfp4 import gemm as nvfp4_gemm
 from moekit.nvfp4.gemm import pack_weights
 
 
-def _offs(m, e, dev):
-    """Balanced groups: (E,) int32 cumulative ends of m rows."""
-    return torch.linspace(m / e, m, e, device=dev).round().to(torch.int32)
-
-
 def main():
     dev = "cuda"
-    torch.manual_seed(0)
-    print(environment())
-    copy = copy_bandwidth_gbs()
-    print(f"device copy: {copy:.0f} GB/s (read + write)\n")
-    print("| kernel | shape | ms | GB/s | of copy |\n|---|---|---|---|---|")
+    copy = bandwidth_preamble("kernel")
     m, k = 24576 * 4, 2880
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     g = nvfp4.quantize(x)[2]
@@ -54,7 +45,7 @@ def main():
 
     print("\n| op | problem | NVFP4 ms | bf16 ms | bf16 / NVFP4 |\n|---|---|---|---|---|")  # the fused up-projection
     e, d = 32, 2880
-    offs = _offs(m, e, dev)
+    offs = balanced_offs(m, e, dev)
     w_up = torch.randn(e, 2 * f, d, device=dev, dtype=torch.bfloat16).mT * 0.02
     xs = torch.randn(m, d, device=dev, dtype=torch.bfloat16)
     t_fp4 = bench_ms(lambda: moekit.grouped_mm_swiglu_nvfp4(xs, w_up, offs, g))
@@ -67,7 +58,7 @@ def main():
         mm = rows_per_expert * e
         a = torch.randn(mm, d, device=dev, dtype=torch.bfloat16)
         w = torch.randn(e, d, 2 * f, device=dev, dtype=torch.bfloat16) * 0.02
-        o = _offs(mm, e, dev)
+        o = balanced_offs(mm, e, dev)
         av, as_, ag = nvfp4.quantize(a)
         wv, ws_, wg = nvfp4.quantize_weights(w)
         wp = pack_weights(wv)

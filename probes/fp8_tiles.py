@@ -15,7 +15,7 @@ import torch
 
 import moekit
 from moekit import fp8
-from moekit.bench import environment, graph_ms
+from moekit.bench import balanced_offs, environment, graph_ms
 from moekit.fp8.gemm import grouped_mm_fp8_fwd
 
 PROBLEMS = {  # name: (M routed rows, K, N, E)
@@ -31,7 +31,7 @@ def problem(name, m, k, n, e):
     torch.manual_seed(0)
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * 0.05
-    offs = torch.linspace(m / e, m, e, device="cuda").round().to(torch.int32)
+    offs = balanced_offs(m, e)
     av, as_ = fp8.quantize(a)
     wv, ws = fp8.quantize_weights(w)
     fns = {"moekit bf16": lambda: moekit.grouped_mm(a, w.mT, offs),
@@ -69,7 +69,7 @@ def wgrad(name, m, k, n, e):
     torch.manual_seed(0)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    offs = torch.linspace(m / e, m, e, device="cuda").round().to(torch.int32)
+    offs = balanced_offs(m, e)
     dy_t, dy_s, _ = fp8.quantize_ragged_t(dy, offs)
     x_t, x_s, _ = fp8.quantize_ragged_t(x, offs)
     fns = {"moekit bf16 wgrad": lambda: moekit.grouped_mm(dy.mT, x, offs),

@@ -52,3 +52,11 @@ def test_sweep_table_and_plot_from_rows(tmp_path):
     assert "| 1.50 (0.40) |" in line and "| 4.00x |" in line and "| 1.50x |" in line
     sweep.plot(rows, str(tmp_path / "sweep.png"))
     assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
+def test_balanced_offs():
+    from moekit.bench import balanced_offs
+
+    offs = balanced_offs(1000, 3, "cpu")
+    assert offs.dtype == torch.int32 and offs.tolist() == [333, 667, 1000]
+    assert balanced_offs(7, 7, "cpu").tolist() == list(range(1, 8))

@@ -207,6 +207,23 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / ms / 1e6
 
 
+def balanced_offs(m: int, e: int, device="cuda") -> torch.Tensor:
+    """(E,) int32 cumulative row ends of m rows in E balanced groups."""
+    return torch.linspace(m / e, m, e, device=device).round().to(torch.int32)
+
+
+def bandwidth_preamble(first_column: str) -> float:
+    """The head of a benchmark of bandwidth-bound passes: seeds torch, prints the environment line, the
+    device copy bandwidth and the table header (``first_column`` | shape | ms | GB/s | of copy); returns
+    the copy bandwidth in GB/s."""
+    torch.manual_seed(0)
+    print(environment())
+    copy = copy_bandwidth_gbs()
+    print(f"device copy: {copy:.0f} GB/s (read + write)\n")
+    print(f"| {first_column} | shape | ms | GB/s | of copy |\n|---|---|---|---|---|")
+    return copy
+
+
 def geomean(xs) -> float:
     xs = [x for x in xs if x and math.isfinite(x)]
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
