@@ -13,7 +13,7 @@ import triton
 from moekit import grouped_mm
 from moekit.bench import SHAPES
 from moekit.bench.grouped_mm import _problem
-from moekit.grouped_gemm import _grouped_mm_op, _ragged_m
+from moekit.grouped_gemm import grouped_mm_op, ragged_m
 
 
 def host_us(fn, n=300):
@@ -32,8 +32,8 @@ def main():
     b = w.mT
     calls = {
         "moekit.grouped_mm (public)": lambda: grouped_mm(x, b, offs),
-        "moekit::grouped_mm custom op": lambda: _grouped_mm_op(x, b, offs, None),
-        "launcher (_ragged_m)": lambda: _ragged_m(x, b, offs, torch.bfloat16, None),
+        "moekit::grouped_mm custom op": lambda: grouped_mm_op(x, b, offs, None),
+        "launcher (ragged_m)": lambda: ragged_m(x, b, offs, torch.bfloat16, None),
         "torch._grouped_mm": lambda: torch._grouped_mm(x, b, offs),
     }
     print("| call | host us/call | eager ms (do_bench) | graph ms (do_bench_cudagraph) |")

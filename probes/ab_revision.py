@@ -1,4 +1,4 @@
-"""Paired A/B of the warp-specialized GEMMs (``hopper.ws_gemm``, and ``_ragged_k`` for the weight
+"""Paired A/B of the warp-specialized GEMMs (``hopper.ws_gemm``, and ``ragged_k`` for the weight
 gradients): an older revision of the package against the working tree, in one process, on the gpt-oss
 problems.
 
@@ -91,7 +91,8 @@ def _compare(name, label):
     def call(mod, key):
         if n is None:  # a weight gradient: a is the (Kt, M) operand, transposed as autograd hands it over
             def run():
-                outs[key] = mod._ragged_k(a.mT, b, offs, b.dtype, None, **kw)
+                ragged_k = getattr(mod, "ragged_k", None) or mod._ragged_k  # older revisions: _ragged_k
+                outs[key] = ragged_k(a.mT, b, offs, b.dtype, None, **kw)
             return run
         outs[key] = (torch.empty(a.shape[0], n, device="cuda", dtype=a.dtype),
                      torch.empty(a.shape[0], n // 2, device="cuda", dtype=a.dtype))

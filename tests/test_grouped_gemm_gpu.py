@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from moekit import config, grouped_gemm, grouped_mm, grouped_mm_ref
-from moekit.grouped_gemm import _grouped_mm_op, _ragged_k, grouped_mm_fwd
+from moekit.grouped_gemm import grouped_mm_fwd, grouped_mm_op, ragged_k
 from moekit.hopper import ws_gemm, ws_ok
 from moekit.testing import assert_close, offs_from_counts, random_counts, routed_counts
 
@@ -140,7 +140,7 @@ def test_warp_specialized_wgrad(monkeypatch, counts, kt, m, n, sums):
     if sums == "row":
         x[:, -1] = 1.0
     x[int(sum(counts)) :], dy[int(sum(counts)) :] = float("nan"), float("nan")
-    out = _ragged_k(x.mT, dy, offs, BF16, None, ones_row=sums == "row", colsum=sums == "virtual")
+    out = ragged_k(x.mT, dy, offs, BF16, None, ones_row=sums == "row", colsum=sums == "virtual")
     assert calls, "the ragged-K GEMM did not take the warp-specialized kernel"
     ref = _ref(x.mT, dy, offs)
     if sums:
@@ -261,7 +261,7 @@ def test_opcheck(form):
     a = torch.nan_to_num(a)
     if form == "2d2d":
         a, b = a.mT, torch.randn(160, 96, device=DEV).to(BF16)
-    torch.library.opcheck(_grouped_mm_op.op, (a.requires_grad_(), b.detach().requires_grad_(), offs, None))
+    torch.library.opcheck(grouped_mm_op.op, (a.requires_grad_(), b.detach().requires_grad_(), offs, None))
 
 
 def test_compile_fullgraph():

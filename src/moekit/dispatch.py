@@ -104,4 +104,10 @@ def custom_op(name: str, *, mutates_args=()) -> Callable[[Callable], CustomOp]:
     return wrap
 
 
-__all__ = ["CustomOp", "custom_op"]
+def traced_or_eager(op: Callable, launcher: Callable, *args):
+    """``op`` (a registered custom op without autograd) while torch.compile traces, else ``launcher``
+    itself: in eager mode the custom-op dispatch costs host time comparable to a small kernel."""
+    return (op if torch.compiler.is_compiling() else launcher)(*args)
+
+
+__all__ = ["CustomOp", "custom_op", "traced_or_eager"]

@@ -37,13 +37,13 @@ from ._kernels.hopper_modes import Epilogue
 from .descriptors import TensorDescriptor, descriptor, row_bounded, tma_ok, weight_descriptor
 from .dispatch import custom_op
 from .epilogue import SwiGLU
-from .grouped_gemm import _grouped_mm_op, _op_mm, _ragged_k, _ragged_m, grouped_mm_fwd, k_major, weight_grad
+from .grouped_gemm import grouped_mm_fwd, grouped_mm_op, k_major, op_mm, ragged_k, ragged_m, weight_grad
 from .hopper import ws_dswiglu, ws_dswiglu_ok, ws_gemm, ws_ok
 from .reference import H_GRADIENT_ERROR, ROW_SCALE_ERROR, grouped_mm_downproj_ref, grouped_mm_swiglu_ref, swiglu_ref
-from .routing import _gather_bwd_op, _gather_op, gather_rows_with_ones
+from .routing import gather_bwd_op, gather_op, gather_rows_with_ones
 from .validation import autocast, check_layout, matrix_ready, unit_columns
 
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 # --------------------------------------------------------------------------------------------------
 # launchers
@@ -58,7 +58,7 @@ def _pair_views(t: torch.Tensor, spec: SwiGLU):
     return t, t
 
 
-def _tma_views_ok(x, w, tensors) -> bool:
+def tma_views_ok(x, w, tensors) -> bool:
     return (
         TensorDescriptor is not None
         and config.use_tma(x.device)
@@ -93,7 +93,7 @@ def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig
         device=x.device, epilogue="swiglu",
     )
     aux_a, aux_b = _pair_views(aux, spec)
-    tma = d > 0 and _tma_views_ok(x, w, (aux_a, aux_b, h))
+    tma = d > 0 and tma_views_ok(x, w, (aux_a, aux_b, h))
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     bf = bn // 2
     if tma:  # the epilogue stores in two halves: quarter-width h boxes (see the kernel)
@@ -116,7 +116,7 @@ def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig
         aux.stride(0), h.stride(0), bias.stride(0) if bias is not None else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, BLOCK_E=launch.next_power_of_2(e + 1),
         B_TRANS=w.stride(2) != 1, USE_TMA=tma, DOT_F32=config.is_interpreting(), FLATTEN=cfg.flatten,
-        OUT_DTYPE=_TL_DTYPES[x.dtype], **spec.constexprs(), ZERO_TAIL=zero_tail,
+        OUT_DTYPE=TL_DTYPES[x.dtype], **spec.constexprs(), ZERO_TAIL=zero_tail,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return h, aux
@@ -128,7 +128,7 @@ def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = Fal
     aux (M, 2F) -> (d_aux (M, 2F), h, dscale), with dH = grad @ w[g]^T, d_aux = dSwiGLU(aux) * dH and the
     recomputed h = SwiGLU(aux) that dW_down needs. h is (M, F); with ``ones_col`` it is a (M, F + 1)
     view of a row-padded buffer whose last column is ones, so that ``h^T @ dOut`` also yields db_down
-    (``_ragged_k(..., ones_row=True)``). With ``scale`` (M,) fp32 row scales s (the forward's h was
+    (``ragged_k(..., ones_row=True)``). With ``scale`` (M,) fp32 row scales s (the forward's h was
     s * SwiGLU(aux)): d_aux = dSwiGLU(aux) * (s * dH), h = s * SwiGLU(aux) and dscale (M,) fp32 =
     <dH, SwiGLU(aux)> per row; otherwise dscale is None.
 
@@ -152,7 +152,7 @@ def grouped_mm_dswiglu(grad, w, offs, aux, spec: SwiGLU, *, ones_col: bool = Fal
         h = config.empty((m, h_cols), dtype=aux.dtype, device=aux.device)
         dscale = ws_dswiglu(grad, w_t, offs, aux, d_aux, h, spec, scale=scale, zero_tail=zero_tail)
         return d_aux, h[:, : f + 1] if ones_col else h, dscale
-    dh = _ragged_m(grad, w_t, offs, grad.dtype, None, zero_tail=zero_tail)
+    dh = ragged_m(grad, w_t, offs, grad.dtype, None, zero_tail=zero_tail)
     return swiglu_bwd(aux, dh, spec, with_h=True, ones_col=ones_col, scale=scale, bound=None if zero_tail else offs)
 
 
@@ -168,11 +168,11 @@ def downproj_bwd(grad, w, offs, aux, spec: SwiGLU, *, need_w: bool, need_b: bool
     it is a column-sum pass over dOut."""
     f = aux.shape[1] // 2
     if h is not None:
-        dh = _ragged_m(grad, w.mT, offs, grad.dtype, None, zero_tail=zero_tail)
+        dh = ragged_m(grad, w.mT, offs, grad.dtype, None, zero_tail=zero_tail)
         d_aux, _, dscale = swiglu_bwd(aux, dh, spec, scale=scale, bound=None if zero_tail else offs)
         dw = db = None
         if need_w and need_b:
-            dw, db = _ragged_k(h.mT, grad, offs, grad.dtype, None, colsum=True)
+            dw, db = ragged_k(h.mT, grad, offs, grad.dtype, None, colsum=True)
         elif need_w:
             dw = weight_grad(h, grad, offs, w, grouped_mm_fwd)
         if need_b and db is None:
@@ -181,7 +181,7 @@ def downproj_bwd(grad, w, offs, aux, spec: SwiGLU, *, need_w: bool, need_b: bool
     ones = need_w and need_b and config.ones_row_is_free(f)
     d_aux, h, dscale = grouped_mm_dswiglu(grad, w, offs, aux, spec, ones_col=ones, scale=scale, zero_tail=zero_tail)
     if ones:
-        dw, db = _ragged_k(h.mT, grad, offs, grad.dtype, None, ones_row=True)
+        dw, db = ragged_k(h.mT, grad, offs, grad.dtype, None, ones_row=True)
     else:
         if need_w:  # (the layout rule of the fake below: w's layout where no bias gradient rides along)
             dw = grouped_mm_fwd(h.mT, grad, offs) if need_b else weight_grad(h, grad, offs, w, grouped_mm_fwd)
@@ -372,7 +372,7 @@ def _gathered_wgrad_op(
     """Permute-free up-projection weight and bias gradients: x (T, D), token_idx (R,), d_aux (R, 2F)
     -> (dW_up (E, D, 2F), db_up (E, 2F) fp32), through a gathered copy of x with a ones column."""
     xa = gather_rows_with_ones(x, token_idx)
-    return _ragged_k(xa.mT, d_aux, offs, d_aux.dtype, None, ones_row=True)
+    return ragged_k(xa.mT, d_aux, offs, d_aux.dtype, None, ones_row=True)
 
 
 @_gathered_wgrad_op.register_fake
@@ -385,8 +385,8 @@ def _(x, token_idx, d_aux, offs):
 def _wgrad_colsum_op(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight and bias gradients of a rows-ragged GEMM with a bias: x (M, K), grad (M, N) ->
     (dW (E, K, N), db (E, N) fp32, the per-group column sums of grad). The sums come out of the wgrad
-    GEMM where its kernel yields them for free (``_ragged_k(..., colsum=True)``), else from a pass."""
-    dw, db = _ragged_k(x.mT, grad, offs, grad.dtype, None, colsum=True)
+    GEMM where its kernel yields them for free (``ragged_k(..., colsum=True)``), else from a pass."""
+    dw, db = ragged_k(x.mT, grad, offs, grad.dtype, None, colsum=True)
     return dw, db if db is not None else grouped_colsum(grad, offs)
 
 
@@ -402,7 +402,7 @@ def _grouped_mm_downproj_op(
     row_scale: torch.Tensor | None, alpha: float, limit: float | None, linear_offset: float, layout: str,
     zero_tail: bool,
 ) -> torch.Tensor:
-    return _ragged_m(h, w, offs, h.dtype, None, bias=bias, zero_tail=zero_tail)
+    return ragged_m(h, w, offs, h.dtype, None, bias=bias, zero_tail=zero_tail)
 
 
 @_grouped_mm_downproj_op.register_fake
@@ -414,7 +414,7 @@ def _(h, w, offs, bias, aux, row_scale, alpha, limit, linear_offset, layout, zer
 def _rows_dgrad_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, zero_tail: bool) -> torch.Tensor:
     # a (M, K) @ b (E, K, N) in a's dtype, the rows past offs[-1] zeros or unwritten: the dgrads of the
     # expert ops, which pass their callers' tail contract on
-    return _ragged_m(a, b, offs, a.dtype, None, zero_tail=zero_tail)
+    return ragged_m(a, b, offs, a.dtype, None, zero_tail=zero_tail)
 
 
 @_rows_dgrad_op.register_fake
@@ -423,7 +423,7 @@ def _(a, b, offs, zero_tail):
 
 
 def _rows_dgrad(a, b, offs, zero_tail: bool):
-    return _grouped_mm_op(a, b, offs, None) if zero_tail else _rows_dgrad_op(a, b, offs, False)
+    return grouped_mm_op(a, b, offs, None) if zero_tail else _rows_dgrad_op(a, b, offs, False)
 
 
 def _bias_grad(grad, offs, bias):
@@ -452,9 +452,9 @@ def _grouped_mm_swiglu_backward(ctx, grad_h, grad_aux):
             grad_w, grad_b = _wgrad_colsum_op(x, d_aux, offs)
             grad_b = grad_b.to(bias.dtype)
         else:
-            grad_w = weight_grad(x, d_aux, offs, w, _op_mm) if need_w else None
+            grad_w = weight_grad(x, d_aux, offs, w, op_mm) if need_w else None
     else:  # permute-free: sum each token's K rows (no atomics)
-        grad_x = _gather_bwd_op(grad_x, row_of) if need_x else None
+        grad_x = gather_bwd_op(grad_x, row_of) if need_x else None
         # dW_up re-gathers x's token rows into a transient copy: a gathered (pointer-loaded) A^T in the
         # wgrad GEMM measured 2.7 ms slower per gpt-oss-20b step than this ~0.4 ms copy plus TMA loads.
         # The copy is written by the row scatter (each token row read once, written to its K rows), or
@@ -463,7 +463,7 @@ def _grouped_mm_swiglu_backward(ctx, grad_h, grad_aux):
             grad_w, grad_b = _gathered_wgrad_op(x, token_idx, d_aux, offs)
             grad_b = grad_b.to(bias.dtype)
         elif need_w:
-            grad_w = weight_grad(_gather_op(x.contiguous(), token_idx, row_of), d_aux, offs, w, _op_mm)
+            grad_w = weight_grad(gather_op(x.contiguous(), token_idx, row_of), d_aux, offs, w, op_mm)
         else:
             grad_w = None
     if need_b and grad_b is None:
@@ -500,7 +500,7 @@ def _grouped_mm_downproj_backward(ctx, grad):
         grad_s = grad_s.to(row_scale.dtype) if need_s else None
     else:
         grad_h = _rows_dgrad(grad, w.mT, offs, ctx.zero_tail) if need_h else None
-        grad_w = weight_grad(saved, grad, offs, w, _op_mm) if need_w else None
+        grad_w = weight_grad(saved, grad, offs, w, op_mm) if need_w else None
         grad_b = _bias_grad(grad, offs, bias) if need_b else None
     return grad_h, grad_w, None, grad_b, grad_aux, grad_s, None, None, None, None, None
 
@@ -512,10 +512,10 @@ _grouped_mm_downproj_op.register_autograd(_grouped_mm_downproj_backward, setup_c
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_expert_inputs(name, x, w, offs, bias, n_bias):
+def check_expert_inputs(name, x, w, offs, bias, n_bias):
     if x.dim() != 2 or w.dim() != 3:
         raise ValueError(f"{name}: expects x (M, K) and w (E, K, N), got {tuple(x.shape)} and {tuple(w.shape)}")
-    if x.dtype not in _TL_DTYPES or w.dtype != x.dtype:
+    if x.dtype not in TL_DTYPES or w.dtype != x.dtype:
         raise TypeError(f"{name}: x and w must both be bfloat16 or float16, got {x.dtype} and {w.dtype}")
     if x.shape[1] != w.shape[1]:
         raise ValueError(f"{name}: K mismatch, x {tuple(x.shape)} vs w {tuple(w.shape)}")
@@ -590,7 +590,7 @@ def grouped_mm_swiglu(
     """
     spec = SwiGLU(swiglu_alpha, swiglu_limit, swiglu_linear_offset, gate_up_layout)
     x, w_up = autocast(x), autocast(w_up)
-    _check_expert_inputs("grouped_mm_swiglu", x, w_up, offs, bias, w_up.shape[2])
+    check_expert_inputs("grouped_mm_swiglu", x, w_up, offs, bias, w_up.shape[2])
     offs = offs.contiguous()  # the kernels read offs by position: a strided view becomes a copy
     if w_up.shape[2] % 2:
         raise ValueError(f"grouped_mm_swiglu: w_up's last dim must be 2F (even), got {w_up.shape[2]}")
@@ -645,7 +645,7 @@ def grouped_mm_downproj(
     """
     spec = SwiGLU(swiglu_alpha, swiglu_limit, swiglu_linear_offset, gate_up_layout)
     h, w_down = autocast(h), autocast(w_down)
-    _check_expert_inputs("grouped_mm_downproj", h, w_down, offs, bias, w_down.shape[2])
+    check_expert_inputs("grouped_mm_downproj", h, w_down, offs, bias, w_down.shape[2])
     offs = offs.contiguous()  # the kernels read offs by position: a strided view becomes a copy
     aux = aux_biased_acc
     if aux is not None and aux.shape != (h.shape[0], 2 * h.shape[1]):

@@ -1,8 +1,8 @@
 """``grouped_mm``: GEMM over ragged expert groups, a drop-in for ``torch._grouped_mm`` with autograd.
 
 Reads as: reference (``reference.grouped_mm_ref``) -> kernels (``_kernels/grouped_gemm.py``, and
-the warp-specialized ``_kernels/hopper_gemm.py`` through ``hopper.py``) -> launchers (``_ragged_m``,
-``_ragged_k``, ``grouped_mm_fwd``) -> custom op ``moekit::grouped_mm`` with a fake and an autograd formula
+the warp-specialized ``_kernels/hopper_gemm.py`` through ``hopper.py``) -> launchers (``ragged_m``,
+``ragged_k``, ``grouped_mm_fwd``) -> custom op ``moekit::grouped_mm`` with a fake and an autograd formula
 (``grouped_mm_bwd``; eager calls skip the dispatcher, ``dispatch.py``) -> public ``grouped_mm``.
 
 Legend: E groups (experts), M rows, N output columns, K reduction length, Kt the ragged reduction
@@ -27,7 +27,7 @@ from .validation import autocast, check_inputs, check_offs, matrix_ready
 # --------------------------------------------------------------------------------------------------
 
 
-def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None, bias=None, group_scale=None,
+def ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None, bias=None, group_scale=None,
               zero_tail: bool = True):
     """2D x 3D: a (M, K), b (E, K, N), optional bias (E, N) -> (M, N); rows past offs[-1] are zero
     (left unwritten without ``zero_tail``). ``group_scale`` (E,) fp32, contiguous: group g's product
@@ -81,7 +81,7 @@ def _ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None, bias=None, g
 
 
 
-def _ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None, *, ones_row: bool = False,
+def ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None, *, ones_row: bool = False,
               colsum: bool = False):
     """2D x 2D: a (M, Kt), b (Kt, N), offs over Kt -> (E, M, N); empty groups are zero.
 
@@ -147,8 +147,8 @@ def grouped_mm_fwd(a, b, offs, out_dtype=None, cfg: config.TileConfig | None = N
     """Launch the grouped GEMM for a validated 2D x 3D or 2D x 2D problem (see ``grouped_mm``)."""
     out_dtype = out_dtype or a.dtype
     if b.dim() == 3:
-        return _ragged_m(a, b, offs, out_dtype, cfg)
-    return _ragged_k(a, b, offs, out_dtype, cfg)
+        return ragged_m(a, b, offs, out_dtype, cfg)
+    return ragged_k(a, b, offs, out_dtype, cfg)
 
 
 
@@ -156,11 +156,11 @@ def grouped_mm_fwd(a, b, offs, out_dtype=None, cfg: config.TileConfig | None = N
 
 
 @custom_op("moekit::grouped_mm")
-def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype | None) -> torch.Tensor:
+def grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype | None) -> torch.Tensor:
     return grouped_mm_fwd(a, b, offs, out_dtype)
 
 
-@_grouped_mm_op.register_fake
+@grouped_mm_op.register_fake
 def _(a, b, offs, out_dtype):
     dtype = out_dtype or a.dtype
     if b.dim() == 3:
@@ -197,8 +197,8 @@ def weight_grad(a, grad, offs, b, mm):
     return mm(grad.mT, a, offs).mT if k_major(b) else mm(a.mT, grad, offs)
 
 
-def _op_mm(a, b, offs):
-    return _grouped_mm_op(a, b, offs, None)
+def op_mm(a, b, offs):
+    return grouped_mm_op(a, b, offs, None)
 
 
 def _setup_context(ctx, inputs, output):
@@ -209,11 +209,11 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad):
     # Under torch.compile the backward is traced too, so it runs through the op itself.
     a, b, offs = ctx.saved_tensors
-    grad_a, grad_b = grouped_mm_bwd(grad, a, b, offs, *ctx.needs_input_grad[:2], mm=_op_mm)
+    grad_a, grad_b = grouped_mm_bwd(grad, a, b, offs, *ctx.needs_input_grad[:2], mm=op_mm)
     return grad_a, grad_b, None, None
 
 
-_grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
+grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -267,4 +267,4 @@ def grouped_mm(
         check_offs(offs, a.shape[0] if form == "2d3d" else a.shape[1])
     if not config.uses_triton(a.device):
         return grouped_mm_ref(a, b, offs, out_dtype=out_dtype)
-    return _grouped_mm_op(a, b, offs, out_dtype)
+    return grouped_mm_op(a, b, offs, out_dtype)

@@ -215,7 +215,7 @@ def ws_ragged_k(a, b, offs, out, colsum, mode: ColSum):
     a with unit stride along M, b along N. ``mode`` (``ColSum``): none; ``ROW``: a's last row is ones
     (M_C = M - 1) and its product row goes to ``colsum`` (E, N) fp32; ``VIRTUAL``: M % 128 == 64, and
     the kernel multiplies a constant row of ones in the empty half of the last row tile into
-    ``colsum``. The caller checked the layouts (``_ragged_k``)."""
+    ``colsum``. The caller checked the layouts (``ragged_k``)."""
     from ._kernels import hopper_gemm as hk  # Gluon: imported only where it runs
 
     (m, kt), n, e = a.shape, b.shape[1], offs.numel()

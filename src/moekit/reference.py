@@ -51,7 +51,7 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def _bounds(offs: torch.Tensor, bound: int) -> list[tuple[int, int]]:
+def group_bounds(offs: torch.Tensor, bound: int) -> list[tuple[int, int]]:
     """Each group's [start, end), clamped as the kernels clamp them: end = offs[g] within [0, bound],
     start = offs[g - 1] within [0, end]. Monotonic offs within bounds pass unchanged; others still
     give in-bounds ranges, and the values of the rows they cover are unspecified, the shapes not
@@ -89,13 +89,13 @@ def grouped_mm_ref(
         raise ValueError("grouped_mm_ref: offs is required unless both a and b are 3-D")
     if a.dim() == 2 and b.dim() == 3:
         out = af.new_zeros(a.shape[0], b.shape[-1])
-        for g, (start, end) in enumerate(_bounds(offs, a.shape[0])):
+        for g, (start, end) in enumerate(group_bounds(offs, a.shape[0])):
             out[start:end] = af[start:end] @ bf[g]
         return out.to(out_dtype)
     if a.dim() == 2 and b.dim() == 2:
         # Slice products (not a masked full product) keep an empty group exactly zero and free of any
         # NaN that rows outside the group might hold.
-        pieces = [af[:, s:e] @ bf[s:e] for s, e in _bounds(offs, a.shape[1])]
+        pieces = [af[:, s:e] @ bf[s:e] for s, e in group_bounds(offs, a.shape[1])]
         return torch.stack(pieces, dim=0).to(out_dtype)
     raise ValueError(f"grouped_mm_ref: unsupported form {a.dim()}D x {b.dim()}D")
 
@@ -103,7 +103,7 @@ def grouped_mm_ref(
 def _row_bias(bias: torch.Tensor, offs: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
     """bias (E, N) expanded to one row per routed row (rows, N); rows past offs[-1] get 0."""
     out = bias.new_zeros(rows, bias.shape[1], dtype=dtype)
-    for g, (start, end) in enumerate(_bounds(offs, rows)):
+    for g, (start, end) in enumerate(group_bounds(offs, rows)):
         out[start:end] = bias[g].to(dtype)
     return out
 
@@ -115,7 +115,7 @@ def _scaled_swiglu(aux, spec, row_scale, offs, dtype):
         return swiglu_torch(aux, spec).to(dtype)
     cdt = torch.float64 if aux.dtype == torch.float64 else torch.float32
     scale = row_scale.to(cdt)
-    ends = _bounds(offs, aux.shape[0])
+    ends = group_bounds(offs, aux.shape[0])
     end = ends[-1][1] if ends else 0
     scale = torch.cat([scale[:end], scale.new_zeros(aux.shape[0] - end)])
     return (swiglu_torch(aux.to(cdt), spec) * scale[:, None]).to(dtype)

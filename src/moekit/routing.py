@@ -477,23 +477,23 @@ _combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 
 @custom_op("moekit::gather_rows")
-def _gather_op(x: torch.Tensor, token_idx: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+def gather_op(x: torch.Tensor, token_idx: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
     # out[row_of[t, k]] = x[t], which is x[token_idx]: the plain combine's backward kernel, which
     # reads each token row once
     return combine_bwd(x, None, None, row_of, False, rows=token_idx.shape[0])[0]
 
 
-@_gather_op.register_fake
+@gather_op.register_fake
 def _(x, token_idx, row_of):
     return x.new_empty((token_idx.shape[0], x.shape[1]))
 
 
 @custom_op("moekit::gather_rows_bwd")
-def _gather_bwd_op(dxs: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+def gather_bwd_op(dxs: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
     return combine_fwd(dxs, None, row_of)  # dx[t] = sum_k dxs[row_of[t, k]]: no atomics
 
 
-@_gather_bwd_op.register_fake
+@gather_bwd_op.register_fake
 def _(dxs, row_of):
     return dxs.new_empty((row_of.shape[0], dxs.shape[1]))
 
@@ -504,10 +504,10 @@ def _gather_setup(ctx, inputs, output):
 
 def _gather_backward(ctx, dxs):
     (row_of,) = ctx.saved_tensors
-    return _gather_bwd_op(dxs.contiguous(), row_of), None, None
+    return gather_bwd_op(dxs.contiguous(), row_of), None, None
 
 
-_gather_op.register_autograd(_gather_backward, setup_context=_gather_setup)
+gather_op.register_autograd(_gather_backward, setup_context=_gather_setup)
 
 # --------------------------------------------------------------------------------------------------
 # public ops
@@ -787,4 +787,4 @@ def gather_token_rows(x: torch.Tensor, token_idx: torch.Tensor, row_of: torch.Te
         raise ValueError("gather_token_rows: x, token_idx and row_of must be on one device")
     if not config.uses_triton(x.device):
         return x[token_idx.long()]
-    return _gather_op(x.contiguous(), token_idx.contiguous(), row_of.contiguous())
+    return gather_op(x.contiguous(), token_idx.contiguous(), row_of.contiguous())

@@ -34,7 +34,7 @@ class ExpertRow:
         return flops / self.ms[impl, phase] / 1e9
 
 
-def _saved_bytes(fn) -> int:
+def saved_bytes(fn) -> int:
     """Bytes a forward leaves allocated besides its output (0 on CPU, where nothing counts them)."""
     if not torch.cuda.is_available():
         return 0
@@ -47,7 +47,7 @@ def _saved_bytes(fn) -> int:
     return saved
 
 
-def _dense_calls(x, d, f, device):
+def dense_calls(x, d, f, device):
     """The GEMMs of one expert MLP step, as single dense matmuls of the same shapes."""
     r = x.shape[0]
     w1 = torch.randn(d, 2 * f, device=device, dtype=x.dtype)
@@ -85,8 +85,8 @@ def run_shape(shape: MoEShape, device) -> ExpertRow:
             torch.autograd.grad(mod(x, counts), [x, *ex.parameters()], dy)
 
         fns[name, "fwd"], fns[name, "step"] = fwd, step
-        saved[name] = _saved_bytes(fwd)
-    fns["dense", "fwd"], fns["dense", "bwd"] = _dense_calls(x.detach(), shape.d, shape.f, device)
+        saved[name] = saved_bytes(fwd)
+    fns["dense", "fwd"], fns["dense", "bwd"] = dense_calls(x.detach(), shape.d, shape.f, device)
     ms = interleaved_ms(fns)  # rounds with a rotating order: drift weighs on every implementation alike
     spread = ms.spread
     for name in ("moekit", "torchtitan"):

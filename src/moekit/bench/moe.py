@@ -19,7 +19,7 @@ from ..layers import MoE
 from ..testing import rel_errors
 from . import CPU_NOTE, MoEShape, environment, interleaved_ms, run_table, step_profile, with_spread
 from .baselines import TorchtitanMoE
-from .experts import _dense_calls, _saved_bytes
+from .experts import dense_calls, saved_bytes
 from .sonic import sonicmoe_block_times
 
 CONFIGS = {
@@ -58,14 +58,14 @@ def _time_config(shape: MoEShape, config: str, device, x, dy) -> dict:
         fns[name, "fwd"] = lambda mod=mod: mod(x)
         fns[name, "step"] = lambda mod=mod: torch.autograd.grad(mod(x), params, dy)
     if config == "plain":
-        fns["dense", "fwd"], fns["dense", "bwd"] = _dense_calls(x.detach().repeat(shape.top_k, 1), shape.d,
+        fns["dense", "fwd"], fns["dense", "bwd"] = dense_calls(x.detach().repeat(shape.top_k, 1), shape.d,
                                                                 shape.f, device)
     ms = interleaved_ms(fns)
     row = {"shape": shape.name, "config": config, "tokens": shape.tokens,
            "flops": 6.0 * shape.tokens * shape.top_k * shape.d * shape.f}
     for name, mod in (("moekit", moe), ("torchtitan", base)):
         fwd = ms[name, "fwd"]
-        row[name] = dict(fwd=fwd, bwd=max(ms[name, "step"] - fwd, 1e-6), saved=_saved_bytes(lambda mod=mod: mod(x)),
+        row[name] = dict(fwd=fwd, bwd=max(ms[name, "step"] - fwd, 1e-6), saved=saved_bytes(lambda mod=mod: mod(x)),
                          spread={"fwd": ms.spread[name, "fwd"], "step": ms.spread[name, "step"]})
     if "dense" in {k[0] for k in ms}:
         row["dense"] = dict(fwd=ms["dense", "fwd"], bwd=ms["dense", "bwd"], saved=None)

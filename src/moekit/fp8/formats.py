@@ -42,6 +42,7 @@ import torch
 
 from .. import config, launch
 from .._kernels.fp8 import _quantize_blocks_kernel, _quantize_ragged_t_kernel, _quantize_rows_kernel
+from ..dispatch import traced_or_eager
 
 E4M3_MAX = 448.0
 GROUP = 128  # elements per scale along a group's dimension (weights: 128 x 128)
@@ -80,7 +81,7 @@ def _check_quantized(values: torch.Tensor, scales: torch.Tensor, name: str) -> N
         raise ValueError(f"{name}: values and scales must be on one device")
 
 
-def _groups(n: int) -> int:
+def groups_along(n: int) -> int:
     return -(-n // GROUP)
 
 
@@ -115,7 +116,7 @@ def quantize_ref(x: torch.Tensor, *, pow2_scales: bool = False) -> tuple[torch.T
     """``quantize``'s twin: x (M, K) -> (values (M, K) float8_e4m3fn, scales (M, cdiv(K, 128)) fp32)."""
     _check_input(x, 2, "fp8.quantize")
     m, k = x.shape
-    kp = _groups(k) * GROUP
+    kp = groups_along(k) * GROUP
     g = torch.nn.functional.pad(x.float(), (0, kp - k)).view(m, kp // GROUP, GROUP)
     values, scales = _quantize_groups(g, (2,), pow2_scales)
     return values.view(m, kp)[:, :k].contiguous(), scales.view(m, kp // GROUP)
@@ -125,7 +126,7 @@ def quantize_weights_ref(w: torch.Tensor, *, pow2_scales: bool = False) -> tuple
     """``quantize_weights``' twin: w (E, A, B) -> (values (E, A, B), scales (E, cdiv(A, 128), cdiv(B, 128)))."""
     _check_input(w, 3, "fp8.quantize_weights")
     e, a, b = w.shape
-    ga, gb = _groups(a), _groups(b)
+    ga, gb = groups_along(a), groups_along(b)
     g = torch.nn.functional.pad(w.float(), (0, gb * GROUP - b, 0, ga * GROUP - a))
     values, scales = _quantize_groups(g.view(e, ga, GROUP, gb, GROUP), (2, 4), pow2_scales)
     return values.view(e, ga * GROUP, gb * GROUP)[:, :a, :b].contiguous(), scales.view(e, ga, gb)
@@ -153,7 +154,7 @@ def quantize_ragged_t_ref(x: torch.Tensor, offs: torch.Tensor, *,
     _check_input(x, 2, "fp8.quantize_ragged_t")
     _check_offs(offs, x, "fp8.quantize_ragged_t")
     m, k = x.shape
-    n_groups = _groups(m) + offs.numel()
+    n_groups = groups_along(m) + offs.numel()
     group_offs, group = ragged_groups_ref(offs, m)
     xf = x.float()
     inside = group >= 0
@@ -228,9 +229,9 @@ def quantize_fwd(x: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, torch.Tenso
     m, k = x.shape
     x = x if x.stride(1) == 1 else x.contiguous()
     values = config.empty((m, k), dtype=torch.uint8, device=x.device)
-    scales = config.empty((m, _groups(k)), dtype=torch.float32, device=x.device)
+    scales = config.empty((m, groups_along(k)), dtype=torch.float32, device=x.device)
     if m and k:
-        launch.kernel(_quantize_rows_kernel)[(launch.cdiv(m, _ROWS_PER_PROGRAM), _groups(k))](
+        launch.kernel(_quantize_rows_kernel)[(launch.cdiv(m, _ROWS_PER_PROGRAM), groups_along(k))](
             x, values, scales, m, k, x.stride(0), values.stride(0), scales.stride(0),
             POW2=pow2, HW_CVT=_hw_cvt(x), BLOCK_M=_ROWS_PER_PROGRAM, GROUP=GROUP, num_warps=4,
         )
@@ -240,9 +241,9 @@ def quantize_fwd(x: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, torch.Tenso
 def quantize_weights_fwd(w: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     e, a, b = w.shape
     values = config.empty((e, a, b), dtype=torch.uint8, device=w.device)
-    scales = config.empty((e, _groups(a), _groups(b)), dtype=torch.float32, device=w.device)
+    scales = config.empty((e, groups_along(a), groups_along(b)), dtype=torch.float32, device=w.device)
     if e and a and b:
-        launch.kernel(_quantize_blocks_kernel)[(e, _groups(a), _groups(b))](
+        launch.kernel(_quantize_blocks_kernel)[(e, groups_along(a), groups_along(b))](
             w, values, scales, a, b, w.stride(0), w.stride(1), w.stride(2), scales.stride(0), scales.stride(1),
             POW2=pow2, HW_CVT=_hw_cvt(w), BLOCK=GROUP, num_warps=8,
         )
@@ -254,7 +255,7 @@ def quantize_ragged_t_fwd(x: torch.Tensor, offs: torch.Tensor,
     m, k = x.shape
     e = offs.numel()
     x = x if x.stride(1) == 1 else x.contiguous()
-    n_groups = _groups(m) + e
+    n_groups = groups_along(m) + e
     values_t = config.empty((k, m), dtype=torch.uint8, device=x.device)
     scales = config.empty((n_groups, k), dtype=torch.float32, device=x.device)
     group_offs = config.empty((e,), dtype=torch.int32, device=x.device)
@@ -277,7 +278,7 @@ def _quantize_op(x: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, torch.Tenso
 @_quantize_op.register_fake
 def _(x, pow2):
     m, k = x.shape
-    return x.new_empty((m, k), dtype=torch.uint8), x.new_empty((m, _groups(k)), dtype=torch.float32)
+    return x.new_empty((m, k), dtype=torch.uint8), x.new_empty((m, groups_along(k)), dtype=torch.float32)
 
 
 @torch.library.custom_op("moekit::fp8_quantize_weights", mutates_args=())
@@ -288,7 +289,8 @@ def _quantize_weights_op(w: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, tor
 @_quantize_weights_op.register_fake
 def _(w, pow2):
     e, a, b = w.shape
-    return w.new_empty((e, a, b), dtype=torch.uint8), w.new_empty((e, _groups(a), _groups(b)), dtype=torch.float32)
+    scales = w.new_empty((e, groups_along(a), groups_along(b)), dtype=torch.float32)
+    return w.new_empty((e, a, b), dtype=torch.uint8), scales
 
 
 @torch.library.custom_op("moekit::fp8_quantize_ragged_t", mutates_args=())
@@ -300,13 +302,8 @@ def _quantize_ragged_t_op(x: torch.Tensor, offs: torch.Tensor,
 @_quantize_ragged_t_op.register_fake
 def _(x, offs, pow2):
     m, k = x.shape
-    return (x.new_empty((k, m), dtype=torch.uint8), x.new_empty((_groups(m) + offs.numel(), k), dtype=torch.float32),
-            offs.new_empty(offs.shape))
-
-
-def _run(op, launcher, *args):
-    """The custom op while torch.compile traces; the launcher itself in eager mode."""
-    return (op if torch.compiler.is_compiling() else launcher)(*args)
+    return (x.new_empty((k, m), dtype=torch.uint8),
+            x.new_empty((groups_along(m) + offs.numel(), k), dtype=torch.float32), offs.new_empty(offs.shape))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -321,7 +318,7 @@ def quantize(x: torch.Tensor, *, pow2_scales: bool = False) -> tuple[torch.Tenso
     _check_input(x, 2, "fp8.quantize")
     if not config.uses_triton(x.device):
         return quantize_ref(x, pow2_scales=pow2_scales)
-    values, scales = _run(_quantize_op, quantize_fwd, x, bool(pow2_scales))
+    values, scales = traced_or_eager(_quantize_op, quantize_fwd, x, bool(pow2_scales))
     return values.view(torch.float8_e4m3fn), scales
 
 
@@ -333,7 +330,7 @@ def quantize_weights(w: torch.Tensor, *, pow2_scales: bool = False) -> tuple[tor
     _check_input(w, 3, "fp8.quantize_weights")
     if not config.uses_triton(w.device):
         return quantize_weights_ref(w, pow2_scales=pow2_scales)
-    values, scales = _run(_quantize_weights_op, quantize_weights_fwd, w, bool(pow2_scales))
+    values, scales = traced_or_eager(_quantize_weights_op, quantize_weights_fwd, w, bool(pow2_scales))
     return values.view(torch.float8_e4m3fn), scales
 
 
@@ -350,7 +347,8 @@ def quantize_ragged_t(x: torch.Tensor, offs: torch.Tensor, *,
     _check_offs(offs, x, "fp8.quantize_ragged_t")
     if not config.uses_triton(x.device):
         return quantize_ragged_t_ref(x, offs, pow2_scales=pow2_scales)
-    values_t, scales, group_offs = _run(_quantize_ragged_t_op, quantize_ragged_t_fwd, x, offs, bool(pow2_scales))
+    values_t, scales, group_offs = traced_or_eager(_quantize_ragged_t_op, quantize_ragged_t_fwd, x, offs,
+                                                   bool(pow2_scales))
     return values_t.view(torch.float8_e4m3fn), scales, group_offs
 
 

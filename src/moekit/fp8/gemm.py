@@ -19,8 +19,8 @@ import torch
 from .. import config, launch
 from .._kernels.fp8_gemm import _grouped_mm_fp8_kernel, _weight_grad_fp8_kernel
 from ..descriptors import descriptor, tma_ok
-from ..reference import _bounds
-from .formats import GROUP, _groups
+from ..reference import group_bounds
+from .formats import GROUP, groups_along
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # (rows per program, warps, pipeline stages); the columns per program are one 128-wide scale group
@@ -34,7 +34,7 @@ def _check(a, a_scales, b, b_scales, offs, out_dtype, name: str = "grouped_mm_fp
     if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
         raise TypeError(f"{name}: a and b must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
     (m, k), (e, n, _) = a.shape, b.shape
-    want_a, want_b = (m, _groups(k)), (e, _groups(n), _groups(k))
+    want_a, want_b = (m, groups_along(k)), (e, groups_along(n), groups_along(k))
     if tuple(a_scales.shape) != want_a or tuple(b_scales.shape) != want_b:
         raise ValueError(f"{name}: scales {want_a} and {want_b} for a {tuple(a.shape)} and b {tuple(b.shape)}, got "
                          f"{tuple(a_scales.shape)} and {tuple(b_scales.shape)}")
@@ -56,8 +56,8 @@ def grouped_mm_fp8_ref(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor,
     (m, k), n = a.shape, b.shape[1]
     out = torch.zeros(m, n, dtype=torch.float32, device=a.device)
     col_scales = b_scales.repeat_interleave(GROUP, dim=1)[:, :n]  # (E, N, GK)
-    for g, (s, t) in enumerate(_bounds(offs, m)):
-        for kb in range(_groups(k)):
+    for g, (s, t) in enumerate(group_bounds(offs, m)):
+        for kb in range(groups_along(k)):
             ks = slice(kb * GROUP, min(k, (kb + 1) * GROUP))
             part = a[s:t, ks].float() @ b[g, :, ks].float().T
             out[s:t] += part * (a_scales[s:t, kb, None] * col_scales[g, None, :, kb])
@@ -136,7 +136,7 @@ def _check_wgrad(dy_t, dy_scales, x_t, x_scales, offs, out_dtype, name: str = "w
         got = (offs.dtype, tuple(offs.shape)) if isinstance(offs, torch.Tensor) else type(offs).__name__
         raise ValueError(f"{name}: offs must be an (E,) int32 tensor of cumulative row counts, got {got}")
     (n, m), k, e = dy_t.shape, x_t.shape[0], offs.numel()
-    g = _groups(m) + e
+    g = groups_along(m) + e
     if tuple(dy_scales.shape) != (g, n) or tuple(x_scales.shape) != (g, k):
         raise ValueError(f"{name}: scales ({g}, {n}) and ({g}, {k}) (quantize_ragged_t's, cdiv(M, 128) + E groups), "
                          f"got {tuple(dy_scales.shape)} and {tuple(x_scales.shape)}")
@@ -155,7 +155,7 @@ def weight_grad_fp8_ref(dy_t: torch.Tensor, dy_scales: torch.Tensor, x_t: torch.
     (n, m), k = dy_t.shape, x_t.shape[0]
     out = torch.zeros(offs.numel(), n, k, dtype=torch.float32, device=dy_t.device)
     g = 0
-    for ex, (s, t) in enumerate(_bounds(offs, m)):
+    for ex, (s, t) in enumerate(group_bounds(offs, m)):
         for r0 in range(s, t, GROUP):
             rows = slice(r0, min(t, r0 + GROUP))
             part = dy_t[:, rows].float() @ x_t[:, rows].float().T

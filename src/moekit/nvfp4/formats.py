@@ -53,6 +53,7 @@ from .._kernels.nvfp4 import (
     _to_blocked_kernel,
     _to_blocked_ragged_kernel,
 )
+from ..dispatch import traced_or_eager
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitude of codes 0-7 (bit 3 is the sign)
 E2M1_MAX = 6.0
@@ -79,7 +80,7 @@ SCALE_DTYPES = (torch.float8_e4m3fn, torch.uint8)  # what the layout functions m
 # --------------------------------------------------------------------------------------------------
 
 
-def _describe(t) -> str:
+def describe(t) -> str:
     return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
@@ -87,7 +88,7 @@ def _check_blocks(x, name: str, *, weights: bool = False) -> None:
     """x (..., K), or with ``weights`` w (E, K, N): bf16 / fp16 / fp32, K a multiple of 16."""
     what = "w (E, K, N)" if weights else "x (..., K)"
     if not isinstance(x, torch.Tensor) or x.dtype not in IN_DTYPES:
-        raise TypeError(f"{name}: {what[0]} must be a bfloat16, float16 or float32 tensor, got {_describe(x)}")
+        raise TypeError(f"{name}: {what[0]} must be a bfloat16, float16 or float32 tensor, got {describe(x)}")
     if x.dim() != 3 if weights else x.dim() < 1:
         raise ValueError(f"{name}: expected {what}, got shape {tuple(x.shape)}")
     if x.shape[1 if weights else -1] % BLOCK:
@@ -97,7 +98,7 @@ def _check_blocks(x, name: str, *, weights: bool = False) -> None:
 def _check_global_scale(g, t: torch.Tensor, name: str) -> None:
     """A 0-dim float tensor, or (E,) for a tensor t (E, ...) with one scale per leading index, on t's device."""
     if not isinstance(g, torch.Tensor) or not g.is_floating_point():
-        raise TypeError(f"{name}: global_scale must be a floating-point tensor, got {_describe(g)}")
+        raise TypeError(f"{name}: global_scale must be a floating-point tensor, got {describe(g)}")
     if not (g.dim() == 0 or (g.dim() == 1 and t.dim() >= 2 and g.shape[0] == t.shape[0])):
         raise ValueError(f"{name}: global_scale must be 0-dim, or (E,) for a tensor (E, ...), got "
                          f"{tuple(g.shape)} for {tuple(t.shape)}")
@@ -107,9 +108,9 @@ def _check_global_scale(g, t: torch.Tensor, name: str) -> None:
 
 def _check_quantized(values, scales, global_scale, dtype, name: str) -> None:
     if not isinstance(values, torch.Tensor) or values.dtype != torch.float4_e2m1fn_x2:
-        raise TypeError(f"{name}: values must be a float4_e2m1fn_x2 tensor, got {_describe(values)}")
+        raise TypeError(f"{name}: values must be a float4_e2m1fn_x2 tensor, got {describe(values)}")
     if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"{name}: scales must be a float8_e4m3fn tensor, got {_describe(scales)}")
+        raise TypeError(f"{name}: scales must be a float8_e4m3fn tensor, got {describe(scales)}")
     if dtype not in IN_DTYPES:
         raise TypeError(f"{name}: dtype must be torch.float32, bfloat16 or float16, got {dtype}")
     if values.dim() < 1 or values.shape[:-1] != scales.shape[:-1] or values.shape[-1] != 8 * scales.shape[-1]:
@@ -122,7 +123,7 @@ def _check_quantized(values, scales, global_scale, dtype, name: str) -> None:
 
 def _check_scales(scales, ndim: int, name: str) -> None:
     if not isinstance(scales, torch.Tensor) or scales.dtype not in SCALE_DTYPES:
-        raise TypeError(f"{name}: scales must be a float8_e4m3fn or uint8 tensor, got {_describe(scales)}")
+        raise TypeError(f"{name}: scales must be a float8_e4m3fn or uint8 tensor, got {describe(scales)}")
     if scales.dim() != ndim:
         want = "(rows, cols)" if ndim == 2 else "(E, rows, cols)"
         raise ValueError(f"{name}: scales must be {want}, got shape {tuple(scales.shape)}")
@@ -130,7 +131,7 @@ def _check_scales(scales, ndim: int, name: str) -> None:
 
 def _check_offs(offs, scales: torch.Tensor, name: str) -> None:
     if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or offs.dim() != 1:
-        raise TypeError(f"{name}: offs must be a 1-D int32 tensor, got {_describe(offs)}")
+        raise TypeError(f"{name}: offs must be a 1-D int32 tensor, got {describe(offs)}")
     if offs.device != scales.device:
         raise ValueError(f"{name}: offs is on {offs.device} but scales on {scales.device}")
 
@@ -647,18 +648,12 @@ def _(scales, offs):
     return scales.new_empty(((-(-m // TILE_ROWS) + offs.shape[0]) * blocked_size(TILE_ROWS, cols),))
 
 
-def _run(op, launcher, *args):
-    """The custom op while torch.compile traces; the launcher itself in eager mode, where the custom-op
-    dispatch would cost host time comparable to a small quantize."""
-    return (op if torch.compiler.is_compiling() else launcher)(*args)
-
-
 # --------------------------------------------------------------------------------------------------
 # public ops
 # --------------------------------------------------------------------------------------------------
 
 
-def _device_scale(global_scale: torch.Tensor) -> torch.Tensor:
+def device_scale(global_scale: torch.Tensor) -> torch.Tensor:
     """A given global scale as the kernels read it: fp32, 1-D, contiguous (no copy when it already is)."""
     return global_scale.float().reshape(-1).contiguous()
 
@@ -695,8 +690,11 @@ def quantize(
     per_group = global_scale is not None and global_scale.dim() == 1
     lead = x.shape[0] if per_group else 1
     x3 = x.reshape(lead, math.prod(x.shape[:-1]) // max(lead, 1), k)  # (G, R, K)
-    gscale = _device_scale(global_scale) if global_scale is not None else _run(_global_scale_op, global_scale_fwd, x3)
-    values, scales = _run(_quantize_op, quantize_fwd, x3, gscale, per_group, False, stochastic, seed, offset)
+    if global_scale is not None:
+        gscale = device_scale(global_scale)
+    else:
+        gscale = traced_or_eager(_global_scale_op, global_scale_fwd, x3)
+    values, scales = traced_or_eager(_quantize_op, quantize_fwd, x3, gscale, per_group, False, stochastic, seed, offset)
     g_out = global_scale.float() if global_scale is not None else gscale.reshape(())
     return (values.view(torch.float4_e2m1fn_x2).view(*x.shape[:-1], k // 2),
             scales.view(torch.float8_e4m3fn).view(*x.shape[:-1], k // BLOCK), g_out)
@@ -719,11 +717,11 @@ def quantize_weights(
     e, k, n = w.shape
     x3 = w.mT  # (E, N, K): the kernel reads any strides
     if global_scale is None:
-        gscale = g_out = _run(_global_scale_op, global_scale_fwd, x3)
+        gscale = g_out = traced_or_eager(_global_scale_op, global_scale_fwd, x3)
         per_group = True
     else:
-        gscale, g_out, per_group = _device_scale(global_scale), global_scale.float(), global_scale.dim() == 1
-    values, scales = _run(_quantize_op, quantize_fwd, x3, gscale, per_group, block_2d)
+        gscale, g_out, per_group = device_scale(global_scale), global_scale.float(), global_scale.dim() == 1
+    values, scales = traced_or_eager(_quantize_op, quantize_fwd, x3, gscale, per_group, block_2d)
     return (values.view(torch.float4_e2m1fn_x2).view(e, n, k // 2),
             scales.view(torch.float8_e4m3fn).view(e, n, k // BLOCK), g_out)
 
@@ -743,7 +741,7 @@ def dequantize(
     rows = math.prod(values.shape[:-1]) // max(lead, 1)
     v3 = values.view(torch.uint8).reshape(lead, rows, half)
     s3 = scales.view(torch.uint8).reshape(lead, rows, half // 8)
-    out = _run(_dequantize_op, dequantize_fwd, v3, s3, _device_scale(global_scale), per_group, dtype)
+    out = traced_or_eager(_dequantize_op, dequantize_fwd, v3, s3, device_scale(global_scale), per_group, dtype)
     return out.view(*values.shape[:-1], 2 * half)
 
 
@@ -753,7 +751,7 @@ def to_blocked(scales: torch.Tensor) -> torch.Tensor:
     _check_scales(scales, 2, "nvfp4.to_blocked")
     if not config.uses_triton(scales.device):
         return to_blocked_ref(scales)
-    return _run(_to_blocked_op, to_blocked_fwd, scales.view(torch.uint8)[None]).view(scales.dtype).view(-1)
+    return traced_or_eager(_to_blocked_op, to_blocked_fwd, scales.view(torch.uint8)[None]).view(scales.dtype).view(-1)
 
 
 def to_blocked_experts(scales: torch.Tensor) -> torch.Tensor:
@@ -762,7 +760,7 @@ def to_blocked_experts(scales: torch.Tensor) -> torch.Tensor:
     _check_scales(scales, 3, "nvfp4.to_blocked_experts")
     if not config.uses_triton(scales.device):
         return to_blocked_experts_ref(scales)
-    return _run(_to_blocked_op, to_blocked_fwd, scales.view(torch.uint8)).view(scales.dtype)
+    return traced_or_eager(_to_blocked_op, to_blocked_fwd, scales.view(torch.uint8)).view(scales.dtype)
 
 
 def to_blocked_ragged(scales: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -775,5 +773,5 @@ def to_blocked_ragged(scales: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     offs = offs.contiguous()  # the kernels read offs by position: a strided view becomes a copy
     if not config.uses_triton(scales.device):
         return to_blocked_ragged_ref(scales, offs)
-    out = _run(_to_blocked_ragged_op, to_blocked_ragged_fwd, scales.view(torch.uint8), offs)
+    out = traced_or_eager(_to_blocked_ragged_op, to_blocked_ragged_fwd, scales.view(torch.uint8), offs)
     return out.view(scales.dtype)

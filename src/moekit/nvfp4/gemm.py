@@ -31,9 +31,10 @@ import triton.language as tl
 
 from .. import config, launch
 from .._kernels.nvfp4_gemm import _grouped_mm_nvfp4_kernel
-from ..grouped_gemm import _ragged_m, grouped_mm
-from ..reference import _bounds
-from .formats import BLOCK, _run, dequantize, dequantize_fwd, e2m1_values_ref, unpack_ref
+from ..dispatch import traced_or_eager
+from ..grouped_gemm import grouped_mm, ragged_m
+from ..reference import group_bounds
+from .formats import BLOCK, dequantize, dequantize_fwd, e2m1_values_ref, unpack_ref
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP4, E4M3 = torch.float4_e2m1fn_x2, torch.float8_e4m3fn
@@ -45,13 +46,13 @@ FP4, E4M3 = torch.float4_e2m1fn_x2, torch.float8_e4m3fn
 _NAME = "grouped_mm_nvfp4"
 
 
-def _describe(t) -> str:
+def describe(t) -> str:
     return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 def _check_dtype(t, name: str, dtype: torch.dtype, op: str = _NAME) -> None:
     if not isinstance(t, torch.Tensor) or t.dtype != dtype:
-        raise TypeError(f"{op}: {name} must be a {dtype} tensor, got {_describe(t)}")
+        raise TypeError(f"{op}: {name} must be a {dtype} tensor, got {describe(t)}")
 
 
 def check_inputs(a_values, a_scales, a_global, w_values, w_scales, w_global, offs, out_dtype,
@@ -97,7 +98,7 @@ def check_inputs(a_values, a_scales, a_global, w_values, w_scales, w_global, off
 
 def _check_pack_k(values, name: str) -> None:
     if not isinstance(values, torch.Tensor) or values.dtype not in (FP4, torch.uint8) or values.dim() < 1:
-        raise TypeError(f"{name}: expected NVFP4 codes (..., K / 2) as {FP4} or uint8, got {_describe(values)}")
+        raise TypeError(f"{name}: expected NVFP4 codes (..., K / 2) as {FP4} or uint8, got {describe(values)}")
     if values.shape[-1] % PACK_CHUNK:
         raise ValueError(f"{name}: packed weights need K a multiple of {2 * PACK_CHUNK}, got K = "
                          f"{2 * values.shape[-1]} ({tuple(values.shape)})")
@@ -206,7 +207,7 @@ def grouped_mm_nvfp4_ref(
     m, n = a_values.shape[0], w_values.shape[1]
     a = _decode64(a_values, a_scales)  # (M, K)
     out = torch.zeros(m, n, dtype=torch.float64, device=a_values.device)
-    for g, (start, end) in enumerate(_bounds(offs, m)):
+    for g, (start, end) in enumerate(group_bounds(offs, m)):
         if end > start:
             w = _decode64(w_values[g], w_scales[g])  # (N, K), one expert at a time
             out[start:end] = (a[start:end] @ w.T) * (a_global.double() * w_global[g].double())
@@ -255,7 +256,7 @@ def _dequantized_mm(a_values, a_scales, a_global, w_values, w_scales, w_global, 
     else:
         w = dequantize(w_values.view(FP4), w_scales.view(E4M3), one, dtype=torch.bfloat16)  # (E, N, K)
     scale = a_global * w_global  # (E,) fp32, the product the kernel forms
-    return _ragged_m(a, w.mT, offs, out_dtype, None, group_scale=scale)
+    return ragged_m(a, w.mT, offs, out_dtype, None, group_scale=scale)
 
 
 def ws_ok(a_values, w_values, w_scales, w_packed: bool) -> bool:
@@ -448,7 +449,7 @@ def grouped_mm_nvfp4(
                                     out_dtype=out_dtype, w_packed=w_packed)
     args = (a_values.view(torch.uint8), a_scales.view(torch.uint8), a_global,
             w_values.view(torch.uint8), w_scales.view(torch.uint8), w_global, offs, out_dtype, w_packed)
-    return _run(_grouped_mm_nvfp4_op, grouped_mm_nvfp4_fwd, *args)
+    return traced_or_eager(_grouped_mm_nvfp4_op, grouped_mm_nvfp4_fwd, *args)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -507,7 +508,7 @@ def grouped_mm_nvfp4_wgrad_ref(
     a, b = _decode64(a_values, a_scales), _decode64(b_values, b_scales)  # (M, T), (N, T)
     out = torch.zeros(offs.shape[0], a.shape[0], b.shape[0], dtype=torch.float64, device=a.device)
     scale = a_global.double() * b_global.double()
-    for g, (start, end) in enumerate(_bounds(offs, a.shape[1])):
+    for g, (start, end) in enumerate(group_bounds(offs, a.shape[1])):
         if end > start:
             out[g] = (a[:, start:end] @ b[:, start:end].T) * scale
     return out.to(out_dtype)
@@ -587,4 +588,4 @@ def grouped_mm_nvfp4_wgrad(
                                           out_dtype=out_dtype)
     args = (a_values.view(torch.uint8), a_scales.view(torch.uint8), a_global,
             b_values.view(torch.uint8), b_scales.view(torch.uint8), b_global, offs, out_dtype)
-    return _run(_grouped_mm_nvfp4_wgrad_op, grouped_mm_nvfp4_wgrad_fwd, *args)
+    return traced_or_eager(_grouped_mm_nvfp4_wgrad_op, grouped_mm_nvfp4_wgrad_fwd, *args)

@@ -36,11 +36,12 @@ import torch
 from .. import config, launch
 from .._kernels.nvfp4_swiglu import _grouped_mm_swiglu_nvfp4_kernel, _swiglu_quantize_kernel
 from ..descriptors import descriptor, weight_descriptor
+from ..dispatch import traced_or_eager
 from ..epilogue import SwiGLU, swiglu_torch
-from ..experts import _TL_DTYPES, _check_expert_inputs, _tma_views_ok
+from ..experts import TL_DTYPES, check_expert_inputs, tma_views_ok
 from ..hopper import ws_swiglu_nvfp4, ws_swiglu_nvfp4_ok
 from ..reference import grouped_mm_swiglu_ref
-from .formats import BLOCK, _describe, _device_scale, _run, deinterleave8_ref, quantize_ref
+from .formats import BLOCK, deinterleave8_ref, describe, device_scale, quantize_ref
 
 LAYOUTS = ("interleaved", "halves", "interleaved8")
 # The Gluon SwiGLU -> NVFP4 kernel's tile (rows, 16-element blocks of h per row, warps) and its
@@ -64,7 +65,7 @@ def _check_spec(alpha, limit, linear_offset, layout, name: str) -> None:
 
 def _check_global_scale(g, t: torch.Tensor, name: str) -> None:
     if not isinstance(g, torch.Tensor) or not g.is_floating_point():
-        raise TypeError(f"{name}: global_scale must be a floating-point tensor, got {_describe(g)}")
+        raise TypeError(f"{name}: global_scale must be a floating-point tensor, got {describe(g)}")
     if g.dim() != 0:
         raise ValueError(f"{name}: global_scale must be a 0-dim tensor, got shape {tuple(g.shape)}")
     if g.device != t.device:
@@ -73,14 +74,14 @@ def _check_global_scale(g, t: torch.Tensor, name: str) -> None:
 
 def _check_pre(pre, name: str) -> None:
     if not isinstance(pre, torch.Tensor) or pre.dtype not in IN_DTYPES:
-        raise TypeError(f"{name}: pre must be a bfloat16, float16 or float32 tensor, got {_describe(pre)}")
+        raise TypeError(f"{name}: pre must be a bfloat16, float16 or float32 tensor, got {describe(pre)}")
     if pre.dim() != 2 or pre.shape[1] % (2 * BLOCK) or (pre.numel() and pre.stride(1) != 1):
         raise ValueError(f"{name}: pre must be (M, 2F) with F a multiple of {BLOCK} and unit column stride, "
                          f"got shape {tuple(pre.shape)} strides {pre.stride()}")
 
 
 def _check_gemm(x, w_up, offs, bias, global_scale, name: str) -> None:
-    _check_expert_inputs(name, x, w_up, offs, bias, w_up.shape[2] if w_up.dim() == 3 else 0)
+    check_expert_inputs(name, x, w_up, offs, bias, w_up.shape[2] if w_up.dim() == 3 else 0)
     if w_up.shape[2] % (2 * BLOCK):
         raise ValueError(f"{name}: w_up must be (E, D, 2F) with F a multiple of {BLOCK}, got {tuple(w_up.shape)}")
     _check_global_scale(global_scale, x, name)
@@ -211,7 +212,7 @@ def grouped_mm_swiglu_nvfp4_fwd(x, w, offs, bias, gscale, alpha, limit, linear_o
     if bf % BLOCK:
         raise ValueError(f"grouped_mm_swiglu_nvfp4: block_n must be a multiple of {2 * BLOCK}, got {bn}")
     halves = layout == "halves"
-    if d > 0 and _tma_views_ok(x, w, ()):
+    if d > 0 and tma_views_ok(x, w, ()):
         a_arg = descriptor(x, [m, d], [x.stride(0), 1], [bm, bk])
         b_arg, tma = weight_descriptor(w, bk, bf if halves else bn), True
     else:
@@ -225,7 +226,7 @@ def grouped_mm_swiglu_nvfp4_fwd(x, w, offs, bias, gscale, alpha, limit, linear_o
         bias.stride(0) if bias is not None else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, BLOCK_E=launch.next_power_of_2(e + 1),
         B_TRANS=w.stride(2) != 1, USE_TMA=tma, DOT_F32=config.is_interpreting(), FLATTEN=cfg.flatten,
-        OUT_DTYPE=_TL_DTYPES[x.dtype], **_swiglu_constexprs(alpha, limit, linear_offset, layout),
+        OUT_DTYPE=TL_DTYPES[x.dtype], **_swiglu_constexprs(alpha, limit, linear_offset, layout),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return values, scales
@@ -297,7 +298,7 @@ def swiglu_quantize_nvfp4(
     if not config.uses_triton(pre.device):
         return swiglu_quantize_nvfp4_ref(pre, global_scale, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
                                          swiglu_linear_offset=swiglu_linear_offset, gate_up_layout=gate_up_layout)
-    values, scales = _run(_swiglu_quantize_op, swiglu_quantize_nvfp4_fwd, pre, _device_scale(global_scale),
+    values, scales = traced_or_eager(_swiglu_quantize_op, swiglu_quantize_nvfp4_fwd, pre, device_scale(global_scale),
                           float(swiglu_alpha), None if swiglu_limit is None else float(swiglu_limit),
                           float(swiglu_linear_offset), gate_up_layout)
     return _as_nvfp4(values, scales, global_scale)
@@ -330,8 +331,8 @@ def grouped_mm_swiglu_nvfp4(
         return grouped_mm_swiglu_nvfp4_ref(x, w_up, offs, global_scale, bias=bias, swiglu_alpha=swiglu_alpha,
                                            swiglu_limit=swiglu_limit, swiglu_linear_offset=swiglu_linear_offset,
                                            gate_up_layout=gate_up_layout)
-    values, scales = _run(_grouped_mm_swiglu_nvfp4_op, grouped_mm_swiglu_nvfp4_fwd, x, w_up, offs, bias,
-                          _device_scale(global_scale), float(swiglu_alpha),
+    values, scales = traced_or_eager(_grouped_mm_swiglu_nvfp4_op, grouped_mm_swiglu_nvfp4_fwd, x, w_up, offs, bias,
+                          device_scale(global_scale), float(swiglu_alpha),
                           None if swiglu_limit is None else float(swiglu_limit), float(swiglu_linear_offset),
                           gate_up_layout)
     return _as_nvfp4(values, scales, global_scale)
