@@ -304,13 +304,10 @@ def kernel(fn):
     return entry[1]
 
 
-def cached_signatures(fn, *, direct: bool = False) -> int:
-    """How many call signatures of ``fn`` the launch layer holds a compiled kernel for; with ``direct``,
-    how many of them launch through :class:`_Direct` (a test aid)."""
+def cached_signatures(fn) -> int:
+    """How many call signatures of ``fn`` the launch layer holds a compiled kernel for (a test aid)."""
     entry = _KERNELS.get(id(fn))
-    if entry is None or entry[0] is not fn:
-        return 0
-    return sum(1 for _, d in entry[1]._compiled.values() if d is not None or not direct)
+    return 0 if entry is None or entry[0] is not fn else len(entry[1]._compiled)
 
 
 __all__ = ["Kernel", "cached_signatures", "cdiv", "kernel", "next_power_of_2"]
