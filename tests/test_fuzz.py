@@ -16,7 +16,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_fp8_gemm import _oracle, _wgrad_oracle
+from test_fp8_gemm import _assert_within, _oracle, _wgrad_oracle
 
 import moekit
 from moekit import combine, combine_ref, fp8, grouped_mm, grouped_mm_ref, topk_router
@@ -161,18 +161,6 @@ def check_routing_and_combine(case: Case, device) -> None:
                            combine_ref(y, r.weights, r.row_of), what=f"combine {case}")
 
 
-def _within(got, want, ref, device, what) -> None:
-    """got against the float64 want: within 2x the fp32-accumulated reference's error (CPU), or within
-    Hopper's FP8 accumulator (GPU: ~14 bits of each 128-wide partial sum, tests/test_fp8_gemm.py)."""
-    if not want.numel():
-        return
-    top = float(want.abs().max())
-    ref_err = float((ref.double() - want).abs().max())
-    bound = 2 * ref_err + 2.0**-22 * top if device == "cpu" else 2.0**-10 * top
-    err = float((got.double() - want).abs().max())
-    assert err <= bound, f"{what}: error {err} over {bound}"
-
-
 def check_fp8(case: Case, device) -> None:
     """fp8.grouped_mm_fp8 (weights as stored or as a .mT view) and fp8.weight_grad_fp8 against float64
     products of their dequantized operands; x's NaN rows past offs[-1] must not leak."""
@@ -181,13 +169,14 @@ def check_fp8(case: Case, device) -> None:
     a = _a(case, m, case.k, device)
     ops = (*fp8.quantize(a), *fp8.quantize_weights(_weights(case, case.k, case.n, device).mT), offs)
     out = fp8.grouped_mm_fp8(*ops, out_dtype=torch.float32)
-    _within(out, _oracle(*ops), fp8.grouped_mm_fp8_ref(*ops, out_dtype=torch.float32), device, f"fp8 fwd {case}")
+    _assert_within(out, _oracle(*ops), fp8.grouped_mm_fp8_ref(*ops, out_dtype=torch.float32), device,
+                   f"fp8 fwd {case}")
     assert not out[sum(case.counts):].any(), f"fp8 rows past offs[-1] {case}"
     dy = torch.randn(m, case.n, device=device).to(BF16)
     ops = (*fp8.quantize_ragged_t(dy, offs)[:2], *fp8.quantize_ragged_t(a, offs)[:2], offs)
     dw = fp8.weight_grad_fp8(*ops, out_dtype=torch.float32)
-    _within(dw, _wgrad_oracle(*ops), fp8.weight_grad_fp8_ref(*ops, out_dtype=torch.float32), device,
-            f"fp8 wgrad {case}")
+    _assert_within(dw, _wgrad_oracle(*ops), fp8.weight_grad_fp8_ref(*ops, out_dtype=torch.float32), device,
+                   f"fp8 wgrad {case}")
     for g, c in enumerate(case.counts):
         assert c or not dw[g].any(), f"fp8 empty expert {g} {case}"
 
