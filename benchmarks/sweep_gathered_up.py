@@ -19,7 +19,7 @@ from moekit.bench.moe import training_step
 from moekit.config import TileConfig as T
 from moekit.epilogue import SwiGLU
 from moekit.experts import grouped_mm_swiglu_fwd
-from moekit.routing import _metadata, _router_op, sorted_weights
+from moekit.routing import _metadata, router_op, sorted_weights
 
 CANDIDATES = {
     "heuristic": None,
@@ -39,7 +39,7 @@ def _cells(name: str, labels: list[str]) -> list[str]:
     ex = moe.experts
     w = ex.mlp1_weight_EGD.mT
     with torch.no_grad():
-        weights, experts, _ = _router_op(x, moe.router.weight, None, None, moe.top_k, False, True)
+        weights, experts, _ = router_op(x, moe.router.weight, None, None, moe.top_k, False, True)
         _, offs, token_idx, row_of = _metadata(experts, w.shape[0])
         scale = sorted_weights(weights, row_of)
     kw = ex.swiglu

@@ -30,14 +30,14 @@ import torch
 _NO_DEFAULT = inspect.Parameter.empty
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def _eager(args) -> bool:
     """Plain eager execution: not compiling, no dispatch mode active, only plain tensors."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
-    return all(type(a) in _PLAIN for a in args if isinstance(a, torch.Tensor))
+    return all(type(a) in PLAIN_TYPES for a in args if isinstance(a, torch.Tensor))
 
 
 def _requires_grad(args) -> bool:
@@ -110,4 +110,4 @@ def traced_or_eager(op: Callable, launcher: Callable, *args):
     return (op if torch.compiler.is_compiling() else launcher)(*args)
 
 
-__all__ = ["CustomOp", "custom_op", "traced_or_eager"]
+__all__ = ["PLAIN_TYPES", "CustomOp", "custom_op", "traced_or_eager"]

@@ -443,9 +443,18 @@ def _grouped_mm_swiglu_backward(ctx, grad_h, grad_aux):
     x, w, offs, bias, token_idx, row_of = ctx.saved_tensors
     if grad_aux is None:
         return (None,) * 12
-    d_aux = matrix_ready(grad_aux)
     need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
-    grad_x = _rows_dgrad(d_aux, w.mT, offs, ctx.zero_tail) if need_x else None
+    grad_x, grad_w, grad_b = up_grads(matrix_ready(grad_aux), x, w, offs, bias, token_idx, row_of,
+                                      need_x, need_w, need_b, ctx.zero_tail)
+    return grad_x, grad_w, None, grad_b, None, None, None, None, None, None, None, None
+
+
+def up_grads(d_aux, x, w, offs, bias, token_idx, row_of, need_x: bool, need_w: bool, need_b: bool,
+             zero_tail: bool):
+    """The fused up-projection's input gradients from d_aux (M, 2F), its forward's x (M, D) or (T, D)
+    with ``token_idx`` (R,) / ``row_of`` (T, K), w (E, D, 2F) and bias (E, 2F) or None -> (dx, dw in w's
+    layout, db in bias's dtype), each None where not needed."""
+    grad_x = _rows_dgrad(d_aux, w.mT, offs, zero_tail) if need_x else None
     grad_b = None
     if token_idx is None:
         if need_w and need_b:
@@ -468,7 +477,7 @@ def _grouped_mm_swiglu_backward(ctx, grad_h, grad_aux):
             grad_w = None
     if need_b and grad_b is None:
         grad_b = _bias_grad(d_aux, offs, bias)
-    return grad_x, grad_w, None, grad_b, None, None, None, None, None, None, None, None
+    return grad_x, grad_w, grad_b
 
 
 _grouped_mm_swiglu_op.register_autograd(_grouped_mm_swiglu_backward, setup_context=_grouped_mm_swiglu_setup)

@@ -369,7 +369,7 @@ def _scores(logits, sigmoid: bool):
 
 
 @custom_op("moekit::router")
-def _router_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, expert_bias: torch.Tensor | None,
+def router_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, expert_bias: torch.Tensor | None,
                top_k: int, sigmoid: bool,
                renormalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights (T, K) fp32, experts (T, K) int32, scores (T, E) fp32) of ``topk_router`` without aux
@@ -388,7 +388,7 @@ def _router_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return weights, experts.to(torch.int32), scores
 
 
-@_router_op.register_fake
+@router_op.register_fake
 def _(x, weight, bias, expert_bias, top_k, sigmoid, renormalize):
     t = x.shape[0]
     return (x.new_empty((t, top_k), dtype=torch.float32), x.new_empty((t, top_k), dtype=torch.int32),
@@ -404,13 +404,22 @@ def _router_setup(ctx, inputs, output):
 
 def _router_backward(ctx, dw, _, d_scores):
     x, weight, bias, experts, scores = ctx.saved_tensors
-    need_x, need_w, need_b = ctx.needs_input_grad[:3]
     if dw is None and d_scores is None:
         return None, None, None, None, None, None, None
-    ds = None if dw is None else topk_weights_grad(dw, scores, experts, ctx.renormalize)
+    dx, dwt, db = router_grads(dw, d_scores, x, weight, bias, experts, scores, ctx.sigmoid, ctx.renormalize,
+                               *ctx.needs_input_grad[:3])
+    return dx, dwt, db, None, None, None, None
+
+
+def router_grads(dw, d_scores, x, weight, bias, experts, scores, sigmoid: bool, renormalize: bool,
+                 need_x: bool, need_w: bool, need_b: bool):
+    """The fused router's input gradients (dx, dW, db; None where not needed) from the gradients of its
+    top-k weights dw (T, K) and of its scores d_scores (T, E), either one None, given what its forward
+    saved: x (T, D), the gate weight (E, D) and bias (E,) or None, experts (T, K) int32, scores (T, E)."""
+    ds = None if dw is None else topk_weights_grad(dw, scores, experts, renormalize)
     if d_scores is not None:  # (topk_router does not return the scores: only a direct caller of the op)
         ds = d_scores if ds is None else ds + d_scores
-    if ctx.sigmoid:
+    if sigmoid:
         dl = torch.ops.aten.sigmoid_backward(ds, scores)
     else:
         dl = torch.ops.aten._softmax_backward_data(ds, scores, -1, torch.float32)
@@ -420,10 +429,10 @@ def _router_backward(ctx, dw, _, d_scores):
     else:  # F.linear on fp32 copies: its backward, then the casts'
         dx = (dl @ weight.float()).to(x.dtype) if need_x else None
         dwt = (dl.t() @ x.float()).to(weight.dtype) if need_w else None
-    return (dx if need_x else None), (dwt if need_w else None), db, None, None, None, None
+    return (dx if need_x else None), (dwt if need_w else None), db
 
 
-_router_op.register_autograd(_router_backward, setup_context=_router_setup)
+router_op.register_autograd(_router_backward, setup_context=_router_setup)
 
 
 @custom_op("moekit::combine")
@@ -551,7 +560,7 @@ def topk_router(
     if any(t is not None and t.device != x.device for t in (weight, bias, expert_bias)):
         raise ValueError("topk_router: x, weight, bias and expert_bias must be on one device")
     if not aux_loss:  # one op, whose backward reads the scores it saved
-        weights, experts, _ = _router_op(x, weight, bias, expert_bias, top_k, score_func == "sigmoid", renormalize)
+        weights, experts, _ = router_op(x, weight, bias, expert_bias, top_k, score_func == "sigmoid", renormalize)
         counts, offs, token_idx, row_of = _metadata(experts, num_experts)
         return Routing(weights, experts, counts, offs, token_idx, row_of, None)
     logits = router_logits(x, weight, bias)

@@ -51,6 +51,10 @@ class Options:
       each compiled kernel under its call's specialization facts and launches it directly on later
       calls, skipping Triton's per-call binding (tens of microseconds of host time per GEMM launch); off,
       every launch goes through Triton's ``fn[grid](...)``. The kernels and their bits are the same.
+    - ``fused_block`` (``MOEKIT_FUSED_BLOCK``, on): an eager :class:`moekit.MoE` step (plain tensors, no
+      hooks on its experts, no aux loss, not NVFP4) runs as one autograd node, whose forward and backward
+      call the ops' launchers directly (``moekit.block``); off, it composes the public ops, one node
+      each. The kernels and their bits are the same; the fused node spends less host time per step.
     - ``poison`` (no variable; a test aid): every kernel output starts as NaN (-1 for integers), so an
       unwritten element shows.
     """
@@ -65,6 +69,7 @@ class Options:
     gluon_quantize: bool = True
     nvfp4_ptx_decode: bool = True
     fast_launch: bool = True
+    fused_block: bool = True
     poison: bool = False
 
 
