@@ -79,8 +79,12 @@ def _weight_grad_fp8_kernel(
     """out[e, n, k] = sum over expert e's 128-row groups g (``quantize_ragged_t``'s: an expert's rows from
     its start, the last group its tail) of (dy_t[n, g] . x_t[k, g]) * dy_scale[g, n] * x_scale[g, k]: a
     weight gradient dY_e^T X_e, each group's fp32 partial product promoted with its two scales. One
-    program per (expert, BLOCK_N x BLOCK_K output tile); an expert without rows writes zeros. Operands
-    through masked pointers (a group's rows start anywhere), bitcast from bytes to e4m3."""
+    program per (expert, BLOCK_N x BLOCK_K output tile); an expert without rows writes zeros.
+
+    The rows run along the operands' unit stride, and an expert's groups start anywhere: the loads walk
+    128-aligned windows of rows (vectorized), each of which holds parts of at most two of the expert's
+    groups; x's rows outside a group are zeroed in registers, a product per group (the second only where
+    the window holds one). Zeroed codes suffice on one operand: e4m3 codes are finite."""
     pid = tl.program_id(0)
     tiles_n, tiles_k = tl.cdiv(N, BLOCK_N), tl.cdiv(K, BLOCK_K)
     e = pid // (tiles_n * tiles_k)
@@ -100,15 +104,28 @@ def _weight_grad_fp8_kernel(
     dy_rows = dy_t + ns[:, None].to(tl.int64) * stride_dy
     x_rows = x_t + ks[:, None].to(tl.int64) * stride_x
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for j in range(0, tl.cdiv(row_end - row_start, GROUP)):
-        rows = row_start + j * GROUP + tl.arange(0, GROUP)
-        r_ok = rows < row_end
-        dy = tl.load(dy_rows + rows[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0)
-        xx = tl.load(x_rows + rows[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0)
-        part = tl.dot(dy.to(tl.float8e4nv, bitcast=True), tl.trans(xx.to(tl.float8e4nv, bitcast=True)))
+    lo = row_start // GROUP * GROUP
+    for w in range(lo, row_end, GROUP):
+        w = tl.multiple_of(w, GROUP)
+        rows = w + tl.arange(0, GROUP)
+        dy = tl.load(dy_rows + rows[None, :], mask=n_ok[:, None] & (rows < M)[None, :], other=0)
+        xx = tl.load(x_rows + rows[None, :], mask=k_ok[:, None] & (rows < M)[None, :], other=0)
+        dy = dy.to(tl.float8e4nv, bitcast=True)
+        j = tl.maximum(w - row_start, 0) // GROUP  # the expert's group holding the window's first row in it
+        split = tl.minimum(row_start + (j + 1) * GROUP, row_end)  # where group j ends in this window
+        in_a = (rows >= row_start) & (rows < split)
+        xa = tl.where(in_a[None, :], xx, 0).to(tl.float8e4nv, bitcast=True)
+        part = tl.dot(dy, tl.trans(xa))
         g = (first + j).to(tl.int64)
         sd = tl.load(dy_scales + g * stride_dys + ns, mask=n_ok, other=0.0)
         sx = tl.load(x_scales + g * stride_xs + ks, mask=k_ok, other=0.0)
         acc += part * (sd[:, None] * sx[None, :])
+        if split < tl.minimum(w + GROUP, row_end):  # the window also holds group j + 1's first rows
+            in_b = (rows >= split) & (rows < row_end)
+            xb = tl.where(in_b[None, :], xx, 0).to(tl.float8e4nv, bitcast=True)
+            part = tl.dot(dy, tl.trans(xb))
+            sd = tl.load(dy_scales + (g + 1) * stride_dys + ns, mask=n_ok, other=0.0)
+            sx = tl.load(x_scales + (g + 1) * stride_xs + ks, mask=k_ok, other=0.0)
+            acc += part * (sd[:, None] * sx[None, :])
     ptrs = out + e.to(tl.int64) * stride_oe + ns[:, None].to(tl.int64) * stride_on + ks[None, :]
     tl.store(ptrs, acc.to(out.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
