@@ -32,7 +32,7 @@ def _block(device, config, dtype=torch.bfloat16, d=64, f=32, e=8, k=2, **kw):
 
 def _run(moe, x, dy, fused: bool, autocast=False):
     moe.tokens_per_expert.zero_()
-    params = [p for p in (x, *moe.parameters()) if p.requires_grad]
+    params = [p for p in (x, *moe.parameters()) if p.requires_grad and torch.is_grad_enabled()]
     with moekit.options(fused_block=fused), torch.autocast(x.device.type, torch.bfloat16, enabled=autocast):
         out = moe(x)
     node = _node(out)
@@ -55,7 +55,7 @@ def _assert_same(moe, x, dy, autocast=False):
         assert node_f == "_MoEStepFnBackward" and node_c != node_f
     assert torch.equal(out_f, out_c) and out_f.dtype == out_c.dtype and out_f.shape == x.shape
     assert torch.equal(counts_f, counts_c)
-    for a, b in zip(g_f, g_c):
+    for a, b in zip(g_f, g_c, strict=True):
         assert (a is None) == (b is None)
         if a is not None:
             assert a.dtype == b.dtype and a.stride() == b.stride() and torch.equal(a, b)
@@ -73,6 +73,25 @@ def test_fused_step_equals_the_composed_ops(device, config, t, request):
     out, grads = _assert_same(moe, x, dy)
     assert out.isfinite().all() and all(g.isfinite().all() for g in grads)
     assert all(g.abs().sum() > 0 for g in grads)  # every gradient reached
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", ["sigmoid", "no-renormalize", "halves", "float16", "no-grad"])
+def test_fused_step_variants(device, variant, request):
+    """The router's and the SwiGLU's other settings, fp16, and a forward without autograd (eval)."""
+    device = _device(device, request)
+    kw = {"sigmoid": dict(score_func="sigmoid"), "no-renormalize": dict(renormalize=False),
+          "halves": dict(gate_up_layout="halves")}.get(variant, {})
+    dtype = torch.float16 if variant == "float16" else torch.bfloat16
+    moe = _block(device, "gpt-oss" if variant == "halves" else "plain", dtype=dtype, **kw)
+    x = torch.randn(19, 64, device=device, dtype=dtype, requires_grad=variant != "no-grad")
+    if variant == "no-grad":
+        with torch.no_grad():
+            out = {f: _run(moe, x, None, f)[:3] for f in (True, False)}
+        assert out[True][0].grad_fn is None and torch.equal(out[True][0], out[False][0])
+        assert torch.equal(out[True][2], out[False][2])
+        return
+    _assert_same(moe, x, torch.randn_like(x))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -111,7 +130,7 @@ def test_fused_step_no_tokens_save_h_and_grad_accumulation(device, request):
             for _ in range(2):
                 moe(x).float().square().sum().backward()
         grads[fused] = [p.grad for p in moe.parameters()]
-    for a, b in zip(grads[True], grads[False]):
+    for a, b in zip(grads[True], grads[False], strict=True):
         assert a.stride() == b.stride() and torch.equal(a, b)
 
 
