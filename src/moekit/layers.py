@@ -183,7 +183,7 @@ class GroupedExperts(nn.Module):
         offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32) if offs_E is None else offs_E
         x_RD = autocast(x_RD)
         if self.nvfp4 is not None:
-            return self.nvfp4.experts(self, x_RD, offs, token_idx_R, row_scale_R)
+            return self.nvfp4.experts(self, x_RD, offs, token_idx_R, row_of_TK, row_scale_R)
         if x_RD.dtype not in (torch.bfloat16, torch.float16):
             raise TypeError(f"{type(self).__name__}: tokens must be bfloat16 or float16 (the experts compute in "
                             f"16-bit with fp32 accumulation; fp32 weights are cast), got {x_RD.dtype}")

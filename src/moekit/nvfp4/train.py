@@ -34,10 +34,9 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from ..experts import swiglu
 from ..grouped_gemm import grouped_mm
+from ..quantized import QuantizedExperts, row_experts
 from . import formats as nvfp4
 from .gemm import grouped_mm_nvfp4_wgrad
 
@@ -144,11 +143,6 @@ def _quantize_weights(w: torch.Tensor, block_2d: bool) -> tuple[torch.Tensor, to
     return _decode(values, scales), g
 
 
-def row_experts(offs: torch.Tensor, rows: int) -> torch.Tensor:
-    """(rows,) int64: the expert of each row, E for rows past offs[-1] (on the device)."""
-    return torch.searchsorted(offs.long(), torch.arange(rows, device=offs.device), right=True)
-
-
 class RandomStream:
     """A seed and a counter of the Philox stream: ``take(n)`` returns the counter and moves it by n."""
 
@@ -235,9 +229,10 @@ class NVFP4GroupedLinearFn(torch.autograd.Function):
         return dx, dw, None, None, None, None
 
 
-class NVFP4Training(nn.Module):
-    """The NVFP4 state of one :class:`moekit.GroupedExperts`: its recipe, the Hadamard signs (a
-    non-persistent buffer: state dicts do not change) and the stochastic-rounding stream."""
+class NVFP4Training(QuantizedExperts):
+    """The NVFP4 precision of one :class:`moekit.GroupedExperts` (``moekit.quantized``'s interface): its
+    recipe, the Hadamard signs (a non-persistent buffer: state dicts do not change) and the
+    stochastic-rounding stream."""
 
     def __init__(self, recipe: TrainingRecipe, device=None):
         super().__init__()
@@ -267,23 +262,6 @@ class NVFP4Training(nn.Module):
     def linear(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """x (M, K) @ w (E, K, N) per expert on NVFP4 operands -> (M, N)."""
         return NVFP4GroupedLinearFn.apply(x, w, offs, self.recipe, self.signs, self.stream)
-
-    def experts(self, mod, x_RD, offs, token_idx_R=None, row_scale_R=None) -> torch.Tensor:
-        """The forward of ``GroupedExperts`` ``mod`` on NVFP4 GEMMs: same arguments, same result up to
-        the quantization. The SwiGLU runs unfused (``moekit.swiglu``)."""
-        if token_idx_R is not None:
-            x_RD = x_RD[token_idx_R.long()]
-        expert = row_experts(offs, x_RD.shape[0])
-        pre = self.linear(x_RD, mod.mlp1_weight_EGD.mT, offs)  # (R, 2F)
-        if mod.mlp1_bias_EG is not None:
-            pre = pre + F.pad(mod.mlp1_bias_EG.to(pre.dtype), (0, 0, 0, 1))[expert]
-        h = swiglu(pre, **mod.swiglu)  # (R, F)
-        if row_scale_R is not None:
-            h = (h.float() * row_scale_R[:, None]).to(h.dtype)
-        out = self.linear(h, mod.mlp2_weight_EDF.mT, offs)  # (R, D)
-        if mod.mlp2_bias_ED is not None:
-            out = out + F.pad(mod.mlp2_bias_ED.to(out.dtype), (0, 0, 0, 1))[expert]
-        return out
 
     def extra_repr(self) -> str:
         return str(self.recipe)

@@ -1,0 +1,59 @@
+"""Quantized expert GEMMs behind one interface: what NVFP4 and FP8 training of the experts share.
+
+A precision (``nvfp4.train.NVFP4Training``, ``fp8.train.FP8Training``) is a :class:`QuantizedExperts`: an
+``nn.Module`` owned by a :class:`moekit.GroupedExperts` that provides ``linear(x, w, offs)``, one expert GEMM
+``x (M, K) @ w[g] (K, N)`` per expert-sorted row group, with its backward, on quantized operands.
+:meth:`QuantizedExperts.experts` runs the expert MLP on it, with the same arguments and the same result as
+the bf16 experts up to the quantization: the permute-free row gather (each token's K rows summed back
+without atomics where ``row_of`` is given), the up-projection, its bias, the SwiGLU, the routing weights
+(``row_scale``), the down-projection and its bias. The SwiGLU and the biases run unfused, in the
+activation dtype; rows past offs[-1] come out as zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .experts import swiglu
+from .routing import gather_token_rows
+
+
+def row_experts(offs: torch.Tensor, rows: int) -> torch.Tensor:
+    """(rows,) int64: the expert of each expert-sorted row (E for the rows past offs[-1]), on the device."""
+    return torch.searchsorted(offs.long(), torch.arange(rows, device=offs.device), right=True)
+
+
+def _bias_rows(bias: torch.Tensor, expert: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return F.pad(bias.to(dtype), (0, 0, 0, 1))[expert]  # (the rows past offs[-1] get zeros)
+
+
+class QuantizedExperts(nn.Module):
+    """The interface of a quantized precision of the experts (the module docstring)."""
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """x (M, K) expert-sorted rows @ w (E, K, N) (a ``.mT`` view of an (E, N, K) parameter) per expert, on
+        quantized operands, differentiable -> (M, N) in x's dtype; rows past offs[-1] are zeros."""
+        raise NotImplementedError
+
+    def experts(self, mod, x_RD, offs, token_idx_R=None, row_of_TK=None, row_scale_R=None) -> torch.Tensor:
+        """The forward of ``GroupedExperts`` ``mod`` on this precision's GEMMs: the same arguments (x (R, D)
+        sorted rows, or (T, D) tokens with ``token_idx_R`` and ``row_of_TK``), the same result up to the
+        quantization, (R, D)."""
+        if token_idx_R is not None:
+            x_RD = x_RD[token_idx_R.long()] if row_of_TK is None else gather_token_rows(x_RD, token_idx_R, row_of_TK)
+        expert = row_experts(offs, x_RD.shape[0])
+        pre = self.linear(x_RD, mod.mlp1_weight_EGD.mT, offs)  # (R, 2F)
+        if mod.mlp1_bias_EG is not None:
+            pre = pre + _bias_rows(mod.mlp1_bias_EG, expert, pre.dtype)
+        h = swiglu(pre, **mod.swiglu)  # (R, F)
+        if row_scale_R is not None:
+            h = (h.float() * row_scale_R[:, None]).to(h.dtype)
+        out = self.linear(h, mod.mlp2_weight_EDF.mT, offs)  # (R, D)
+        if mod.mlp2_bias_ED is not None:
+            out = out + _bias_rows(mod.mlp2_bias_ED, expert, out.dtype)
+        return out
+
+
+__all__ = ["QuantizedExperts", "row_experts"]
