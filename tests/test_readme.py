@@ -60,7 +60,8 @@ def _nvfp4_inputs():  # K = F = 64: packed weights take K in multiples of 64
 
 def _fp8_inputs():
     return dict(x=torch.randn(M, K, dtype=torch.bfloat16), w=torch.randn(E, 200, K, dtype=torch.bfloat16),
-                dy=torch.randn(M, 200, dtype=torch.bfloat16), offs=torch.tensor([10, 10, 30, 41], dtype=torch.int32))
+                dy=torch.randn(M, 200, dtype=torch.bfloat16), offs=torch.tensor([10, 10, 30, 41], dtype=torch.int32),
+                dim=D, hidden_dim=F, num_experts=E, top_k=TOP_K)
 
 
 # block -> its prelude, or why it does not run here (one line each)

@@ -11,7 +11,7 @@ composed path's bit for bit (tests/test_block.py).
 
 :func:`step_ok` says when the block may take it: plain eager tensors (not compiling, no dispatch mode,
 no tensor subclass such as FSDP2's DTensor), no hooks on the experts module (FSDP2 gathers
-parameters there), no aux loss, no NVFP4, contiguous
+parameters there), no aux loss, no NVFP4 or FP8, contiguous
 parameters on x's device, and the ``fused_block`` option on. Anything else composes the ops, whose
 checks then raise the usual errors.
 """
@@ -116,7 +116,8 @@ def step_ok(moe, x: torch.Tensor) -> bool:
     """Whether ``moe`` (a :class:`moekit.MoE` whose ``route`` and experts' ``forward`` are its own) may run
     x (T, D), already in its compute dtype, as one node (the module docstring's conditions)."""
     experts = moe.experts
-    if not (config.get_options().fused_block and experts.nvfp4 is None and not moe.use_aux_loss
+    if not (config.get_options().fused_block and experts.nvfp4 is None and experts.fp8 is None
+            and not moe.use_aux_loss
             and x.dtype in IN_DTYPES and x.dim() == 2 and x.shape[1] == experts.dim and type(x) in PLAIN_TYPES):
         return False
     if _hooked(experts) or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():

@@ -364,7 +364,8 @@ class ExpertParallelMoE(RoutedBlock):
             ex.dim, ex.hidden_dim, ex.num_experts, moe.top_k, group=group, splits=splits, chunks=chunks,
             bias=ex.mlp1_bias_EG is not None, router_bias=moe.router.bias is not None, score_func=moe.score_func,
             renormalize=moe.renormalize, aux_loss=moe.use_aux_loss, device=ex.mlp1_weight_EGD.device,
-            dtype=ex.mlp1_weight_EGD.dtype, nvfp4=None if ex.nvfp4 is None else ex.nvfp4.recipe, **ex.swiglu,
+            dtype=ex.mlp1_weight_EGD.dtype, nvfp4=None if ex.nvfp4 is None else ex.nvfp4.recipe,
+            fp8=None if ex.fp8 is None else ex.fp8.recipe, **ex.swiglu,
         )
         out.load_full_state_dict(moe.state_dict())
         return out

@@ -11,6 +11,8 @@ from torch import nn
 from . import block
 from .epilogue import LAYOUTS
 from .experts import TAILS, grouped_mm_downproj, grouped_mm_swiglu
+from .fp8.train import FP8Training
+from .fp8.train import TrainingRecipe as FP8Recipe
 from .nvfp4.formats import BLOCK as NVFP4_BLOCK
 from .nvfp4.train import NVFP4Training, TrainingRecipe
 from .routing import Dispatch, Routing, check_router_args, combine, sorted_weights, topk_router
@@ -44,7 +46,7 @@ def check_number(owner: str, name: str, v, *, positive: bool = False, none_ok: b
 
 
 def check_expert_args(owner: str, dim, hidden_dim, num_experts, activation: str, gate_up_layout: str,
-                      swiglu: dict, *, bias: bool = False, dtype=None, nvfp4=None) -> dict:
+                      swiglu: dict, *, bias: bool = False, dtype=None, nvfp4=None, fp8=None) -> dict:
     """Check the experts' constructor arguments where the user passed them, and return the SwiGLU
     keywords they resolve to. The same checks on every device, so that a module the CPU reference
     accepts runs on the kernels too.
@@ -59,6 +61,11 @@ def check_expert_args(owner: str, dim, hidden_dim, num_experts, activation: str,
     quantized = nvfp4 is not None and nvfp4 is not False
     if quantized and nvfp4 is not True and not isinstance(nvfp4, TrainingRecipe):
         raise TypeError(f"{owner}: nvfp4 must be a bool or a moekit.nvfp4.TrainingRecipe, got {type(nvfp4).__name__}")
+    in_fp8 = fp8 is not None and fp8 is not False
+    if in_fp8 and fp8 is not True and not isinstance(fp8, FP8Recipe):
+        raise TypeError(f"{owner}: fp8 must be a bool or a moekit.fp8.TrainingRecipe, got {type(fp8).__name__}")
+    if quantized and in_fp8:
+        raise ValueError(f"{owner}: nvfp4 and fp8 are two precisions of the expert GEMMs: choose one")
     for name, v in (("dim", dim), ("hidden_dim", hidden_dim)):
         if v % ROW_ALIGN:
             raise ValueError(f"{owner}: {name} must be a multiple of {ROW_ALIGN}, got {v}: the expert kernels "
@@ -69,12 +76,12 @@ def check_expert_args(owner: str, dim, hidden_dim, num_experts, activation: str,
                              f"hidden_dim")
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"{owner}: dtype must be a torch.dtype or None, got {type(dtype).__name__} {dtype!r}")
-    allowed = NVFP4_DTYPES if quantized else PARAM_DTYPES
+    allowed = NVFP4_DTYPES if quantized or in_fp8 else PARAM_DTYPES  # (what the quantizers read)
     resolved = torch.get_default_dtype() if dtype is None else dtype
     if resolved not in allowed:
         what = f"{resolved} (torch's default dtype)" if dtype is None else str(resolved)
-        raise TypeError(f"{owner}: dtype must be one of {[str(d) for d in allowed]}"
-                        f"{' with nvfp4' if quantized else ''}, got {what}")
+        which = " with nvfp4" if quantized else " with fp8" if in_fp8 else ""
+        raise TypeError(f"{owner}: dtype must be one of {[str(d) for d in allowed]}{which}, got {what}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"{owner}: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     unknown = set(swiglu) - set(ACTIVATIONS["swiglu"])
@@ -116,7 +123,10 @@ class GroupedExperts(nn.Module):
     :class:`moekit.Dispatch` whole (``Routing.dispatch``, or :func:`moekit.routing_metadata`'s result).
 
     ``nvfp4``: True or a :class:`moekit.nvfp4.TrainingRecipe` runs the two expert GEMMs and their
-    backward on emulated NVFP4 operands (``moekit.nvfp4.train``); the parameters stay as they are.
+    backward on emulated NVFP4 operands (``moekit.nvfp4.train``); ``fp8``: True or a
+    :class:`moekit.fp8.TrainingRecipe`, on blockwise-scaled FP8 operands (``moekit.fp8.train``). Either
+    runs through ``moekit.quantized``'s interface (the SwiGLU and the biases unfused); the parameters stay
+    as they are.
     """
 
     def __init__(
@@ -129,13 +139,14 @@ class GroupedExperts(nn.Module):
         activation: str = "swiglu",
         gate_up_layout: str = "interleaved",
         nvfp4=None,
+        fp8=None,
         device=None,
         dtype=None,
         **swiglu,
     ):
         super().__init__()
         self.swiglu = check_expert_args(type(self).__name__, dim, hidden_dim, num_experts, activation, gate_up_layout,
-                                        swiglu, bias=bias, dtype=dtype, nvfp4=nvfp4)
+                                        swiglu, bias=bias, dtype=dtype, nvfp4=nvfp4, fp8=fp8)
         kw = dict(device=device, dtype=dtype)
         self.num_experts, self.dim, self.hidden_dim = num_experts, dim, hidden_dim
         self.mlp1_weight_EGD = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim, **kw))
@@ -148,6 +159,7 @@ class GroupedExperts(nn.Module):
             self.register_parameter("mlp2_bias_ED", None)
         self.reset_parameters()
         self.nvfp4 = NVFP4Training.build(nvfp4, device)
+        self.fp8 = FP8Training.build(fp8)
 
     def reset_parameters(self, init_std: float = 0.02) -> None:
         """Every parameter from a truncated normal of std ``init_std`` (a meta-device build, materialized
@@ -187,6 +199,8 @@ class GroupedExperts(nn.Module):
         if x_RD.dtype not in (torch.bfloat16, torch.float16):
             raise TypeError(f"{type(self).__name__}: tokens must be bfloat16 or float16 (the experts compute in "
                             f"16-bit with fp32 accumulation; fp32 weights are cast), got {x_RD.dtype}")
+        if self.fp8 is not None:
+            return self.fp8.experts(self, x_RD, offs, token_idx_R, row_of_TK, row_scale_R)
         w1, w2 = self.mlp1_weight_EGD, self.mlp2_weight_EDF
         if w1.dtype != x_RD.dtype:
             w1, w2 = w1.to(x_RD.dtype), w2.to(x_RD.dtype)
@@ -225,8 +239,8 @@ class RoutedBlock(nn.Module):
         check_router_args(owner, num_experts, top_k, score_func)
         check_expert_args(owner, dim, hidden_dim, num_experts, activation,
                           experts_kw.get("gate_up_layout", "interleaved"),
-                          {k: v for k, v in experts_kw.items() if k not in ("gate_up_layout", "nvfp4")},
-                          bias=bias, dtype=dtype, nvfp4=experts_kw.get("nvfp4"))
+                          {k: v for k, v in experts_kw.items() if k not in ("gate_up_layout", "nvfp4", "fp8")},
+                          bias=bias, dtype=dtype, nvfp4=experts_kw.get("nvfp4"), fp8=experts_kw.get("fp8"))
         check_flags(owner, router_bias=router_bias, renormalize=renormalize, aux_loss=aux_loss)
         self.top_k, self.score_func, self.renormalize, self.use_aux_loss = top_k, score_func, renormalize, aux_loss
         self.router = nn.Linear(dim, num_experts, bias=router_bias, device=device, dtype=torch.float32)
@@ -286,9 +300,9 @@ class MoE(RoutedBlock):
       ``self.aux_loss``. Aux-loss-free: ``tokens_per_expert`` accumulates routed counts on the device,
       and ``update_expert_bias(rate)`` nudges ``expert_bias`` (used for the choice only) toward balance.
     - Experts: ``bias`` and ``activation`` as in :class:`GroupedExperts` (plus any ``swiglu_*``,
-      ``gate_up_layout`` or ``nvfp4`` keyword). The defaults are the gpt-oss block (expert and router biases, the
-      gpt-oss SwiGLU); ``bias=False, router_bias=False, activation="swiglu"`` is the Qwen3 / Mixtral /
-      DeepSeek / OLMoE block.
+      ``gate_up_layout``, ``nvfp4`` or ``fp8`` keyword). The defaults are the gpt-oss block (expert and
+      router biases, the gpt-oss SwiGLU); ``bias=False, router_bias=False, activation="swiglu"`` is the
+      Qwen3 / Mixtral / DeepSeek / OLMoE block.
 
     ``forward(x)``: x (..., D) bf16/fp16 -> (..., D) in x.dtype; under ``torch.autocast`` an fp32 x
     (and fp32 expert weights) run in the autocast dtype, and the output is in it, as ``torch.matmul``'s.
