@@ -193,17 +193,19 @@ def _device_splits_need_equal_tokens(rank, world):
         ep(torch.randn(5 + rank, D).to(BF16))
 
 
-def _from_moe_keeps_nvfp4(rank, world, splits="host"):
-    """(Device splits: the NVFP4 experts write zeros past offs[-1] whatever ``tail`` says, and get row
-    scales whose dropped rows are unwritten; on GPUs this runs the kernels.)"""
-    from moekit.nvfp4 import TrainingRecipe
+def _from_moe_keeps_nvfp4(rank, world, splits="host", precision="nvfp4"):
+    """(Device splits: the quantized experts write zeros past offs[-1] whatever ``tail`` says, and get row
+    scales whose dropped rows are unwritten; on GPUs this runs the kernels.) ``precision``: "nvfp4" or
+    "fp8", each through moekit.quantized's interface."""
+    from moekit import fp8, nvfp4
 
-    recipe = TrainingRecipe(seed=3)
+    recipe = nvfp4.TrainingRecipe(seed=3) if precision == "nvfp4" else fp8.TrainingRecipe(pow2_scales=True)
     torch.manual_seed(0)  # the same weights and inputs on every rank
-    moe = MoE(D, max(F, 16), E, 2, dtype=BF16, nvfp4=recipe, **BLOCKS["plain"])  # (blocks of 16 along F)
+    moe = MoE(D, max(F, 16), E, 2, dtype=BF16, **{precision: recipe}, **BLOCKS["plain"])  # (NVFP4: 16s along F)
     ep = ExpertParallelMoE.from_moe(moe, splits=splits)
-    assert ep.experts.nvfp4 is not None and ep.experts.nvfp4.recipe == recipe
-    # the NVFP4 experts on a rank's received tokens (fewer choice rows than T*K, absent entries): its
+    kept = getattr(ep.experts, precision)
+    assert kept is not None and kept.recipe == recipe
+    # the quantized experts on a rank's received tokens (fewer choice rows than T*K, absent entries): their
     # quantization scales see other rows than a single process's, so the comparison is loose
     xs, dys = _inputs([9] * world if splits == "device" else [6 + 3 * r for r in range(world)])
     x = xs[rank].clone().requires_grad_()
@@ -212,7 +214,7 @@ def _from_moe_keeps_nvfp4(rank, world, splits="host"):
     want = moe(torch.cat(xs))[sum(len(t) for t in xs[:rank]) :][: len(x)].float()
     err = (y.float() - want).norm() / want.norm()
     assert torch.isfinite(x.grad).all() and all(torch.isfinite(p.grad).all() for p in ep.experts.parameters())
-    assert err < 0.15, f"NVFP4 EP output off the single-process NVFP4 block by {err:.3f}"
+    assert err < 0.15, f"{precision} EP output off the single-process {precision} block by {err:.3f}"
 
 
 def _on_the_kernels(rank, world, splits):
@@ -381,6 +383,7 @@ CASES = {  # name: the case, run on every rank; the comment says what it covers
     "device-splits-unequal-tokens": _device_splits_need_equal_tokens,
     "from-moe-nvfp4": _from_moe_keeps_nvfp4,
     "from-moe-nvfp4-device": partial(_from_moe_keeps_nvfp4, splits="device"),
+    "from-moe-fp8-device": partial(_from_moe_keeps_nvfp4, splits="device", precision="fp8"),
     "reshard-2-to-4": _reshard_2_to_4,
     "dcp-reshard-2-to-4": _dcp_reshard,
     "ep-x-fsdp2": _ep_by_fsdp2,

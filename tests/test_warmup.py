@@ -17,6 +17,7 @@ CONFIGS = [
     pytest.param(dict(bias=False, router_bias=False, activation="swiglu", aux_loss=True), id="plain-aux-loss"),
     pytest.param(dict(bias=False, router_bias=False, activation="swiglu", nvfp4=TrainingRecipe(seed=3)),
                  id="nvfp4-stochastic"),
+    pytest.param(dict(fp8=True), id="gpt-oss-fp8"),
 ]
 
 
