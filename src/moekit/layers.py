@@ -15,6 +15,7 @@ from .fp8.train import FP8Training
 from .fp8.train import TrainingRecipe as FP8Recipe
 from .nvfp4.formats import BLOCK as NVFP4_BLOCK
 from .nvfp4.train import NVFP4Training, TrainingRecipe
+from .quantized import recipe_of
 from .routing import Dispatch, Routing, check_router_args, combine, sorted_weights, topk_router
 from .validation import autocast, unit_columns
 
@@ -58,12 +59,11 @@ def check_expert_args(owner: str, dim, hidden_dim, num_experts, activation: str,
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{owner}: {name} must be an int >= 1, got {v!r}")
     check_flags(owner, bias=bias)
-    quantized = nvfp4 is not None and nvfp4 is not False
-    if quantized and nvfp4 is not True and not isinstance(nvfp4, TrainingRecipe):
-        raise TypeError(f"{owner}: nvfp4 must be a bool or a moekit.nvfp4.TrainingRecipe, got {type(nvfp4).__name__}")
-    in_fp8 = fp8 is not None and fp8 is not False
-    if in_fp8 and fp8 is not True and not isinstance(fp8, FP8Recipe):
-        raise TypeError(f"{owner}: fp8 must be a bool or a moekit.fp8.TrainingRecipe, got {type(fp8).__name__}")
+    try:
+        quantized = recipe_of(nvfp4, TrainingRecipe, "nvfp4") is not None
+        in_fp8 = recipe_of(fp8, FP8Recipe, "fp8") is not None
+    except TypeError as err:
+        raise TypeError(f"{owner}: {err}") from None
     if quantized and in_fp8:
         raise ValueError(f"{owner}: nvfp4 and fp8 are two precisions of the expert GEMMs: choose one")
     for name, v in (("dim", dim), ("hidden_dim", hidden_dim)):

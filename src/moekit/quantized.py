@@ -25,6 +25,18 @@ def row_experts(offs: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.searchsorted(offs.long(), torch.arange(rows, device=offs.device), right=True)
 
 
+def recipe_of(arg, recipe_cls: type, name: str):
+    """A constructor's precision argument (``GroupedExperts(nvfp4=...)``, ``fp8=...``): None or False -> None,
+    True -> ``recipe_cls()``, an instance of ``recipe_cls`` -> itself; anything else raises."""
+    if arg is None or arg is False:
+        return None
+    if arg is True:
+        return recipe_cls()
+    if not isinstance(arg, recipe_cls):
+        raise TypeError(f"{name} must be a bool or a moekit.{name}.TrainingRecipe, got {type(arg).__name__}")
+    return arg
+
+
 def _bias_rows(bias: torch.Tensor, expert: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return F.pad(bias.to(dtype), (0, 0, 0, 1))[expert]  # (the rows past offs[-1] get zeros)
 
@@ -43,7 +55,8 @@ class QuantizedExperts(nn.Module):
         quantization, (R, D)."""
         if token_idx_R is not None:
             x_RD = x_RD[token_idx_R.long()] if row_of_TK is None else gather_token_rows(x_RD, token_idx_R, row_of_TK)
-        expert = row_experts(offs, x_RD.shape[0])
+        biased = mod.mlp1_bias_EG is not None or mod.mlp2_bias_ED is not None
+        expert = row_experts(offs, x_RD.shape[0]) if biased else None
         pre = self.linear(x_RD, mod.mlp1_weight_EGD.mT, offs)  # (R, 2F)
         if mod.mlp1_bias_EG is not None:
             pre = pre + _bias_rows(mod.mlp1_bias_EG, expert, pre.dtype)
@@ -56,4 +69,4 @@ class QuantizedExperts(nn.Module):
         return out
 
 
-__all__ = ["QuantizedExperts", "row_experts"]
+__all__ = ["QuantizedExperts", "recipe_of", "row_experts"]

@@ -26,7 +26,7 @@ import dataclasses
 import torch
 
 from ..grouped_gemm import grouped_mm
-from ..quantized import QuantizedExperts
+from ..quantized import QuantizedExperts, recipe_of
 from .formats import quantize, quantize_ragged_t, quantize_weights
 from .gemm import grouped_mm_fp8, weight_grad_fp8
 
@@ -104,13 +104,8 @@ class FP8Training(QuantizedExperts):
     @staticmethod
     def build(fp8_arg) -> FP8Training | None:
         """``GroupedExperts(fp8=...)``: None / False -> None, True -> the default recipe, a recipe."""
-        if fp8_arg is None or fp8_arg is False:
-            return None
-        if fp8_arg is True:
-            fp8_arg = TrainingRecipe()
-        if not isinstance(fp8_arg, TrainingRecipe):
-            raise TypeError(f"fp8 must be a bool or a moekit.fp8.TrainingRecipe, got {type(fp8_arg).__name__}")
-        return FP8Training(fp8_arg)
+        recipe = recipe_of(fp8_arg, TrainingRecipe, "fp8")
+        return None if recipe is None else FP8Training(recipe)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         return FP8GroupedLinearFn.apply(x, w, offs, self.recipe)

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ..grouped_gemm import grouped_mm
-from ..quantized import QuantizedExperts, row_experts
+from ..quantized import QuantizedExperts, recipe_of, row_experts
 from . import formats as nvfp4
 from .gemm import grouped_mm_nvfp4_wgrad
 
@@ -251,13 +251,8 @@ class NVFP4Training(QuantizedExperts):
     @staticmethod
     def build(nvfp4_arg, device=None) -> NVFP4Training | None:
         """``GroupedExperts(nvfp4=...)``: None / False -> None, True -> the default recipe, a recipe."""
-        if nvfp4_arg is None or nvfp4_arg is False:
-            return None
-        if nvfp4_arg is True:
-            nvfp4_arg = TrainingRecipe()
-        if not isinstance(nvfp4_arg, TrainingRecipe):
-            raise TypeError(f"nvfp4 must be a bool or a moekit.nvfp4.TrainingRecipe, got {type(nvfp4_arg).__name__}")
-        return NVFP4Training(nvfp4_arg, device)
+        recipe = recipe_of(nvfp4_arg, TrainingRecipe, "nvfp4")
+        return None if recipe is None else NVFP4Training(recipe, device)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """x (M, K) @ w (E, K, N) per expert on NVFP4 operands -> (M, N)."""
