@@ -39,6 +39,7 @@ from .dispatch import custom_op
 from .epilogue import SwiGLU
 from .grouped_gemm import grouped_mm_fwd, grouped_mm_op, k_major, op_mm, ragged_k, ragged_m, weight_grad
 from .hopper import ws_dswiglu, ws_dswiglu_ok, ws_gemm, ws_ok
+from .plans import planned
 from .reference import H_GRADIENT_ERROR, ROW_SCALE_ERROR, grouped_mm_downproj_ref, grouped_mm_swiglu_ref, swiglu_ref
 from .routing import gather_bwd_op, gather_op, gather_rows_with_ones
 from .validation import autocast, check_layout, matrix_ready, unit_columns
@@ -69,6 +70,7 @@ def tma_views_ok(x, w, tensors) -> bool:
     )
 
 
+@planned
 def grouped_mm_swiglu_fwd(x, w, offs, bias, spec: SwiGLU, cfg: config.TileConfig | None = None, token_idx=None,
                           row_scale=None, zero_tail: bool = True):
     """x (M, D), w (E, D, 2F), bias (E, 2F) or None -> (h (M, F), aux (M, 2F)) in x.dtype.
@@ -191,6 +193,7 @@ def downproj_bwd(grad, w, offs, aux, spec: SwiGLU, *, need_w: bool, need_b: bool
     return d_aux, dw, db, dscale
 
 
+@planned
 def grouped_colsum(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Per-group column sums of a row-ragged (M, N) matrix -> (E, N) fp32; empty groups are 0."""
     x = unit_columns(x)
@@ -223,6 +226,7 @@ def swiglu_fwd(pre: torch.Tensor, spec: SwiGLU) -> torch.Tensor:
     return h
 
 
+@planned
 def swiglu_bwd(pre: torch.Tensor, dh: torch.Tensor, spec: SwiGLU, *, with_h: bool = False, ones_col: bool = False,
                scale: torch.Tensor | None = None, bound: torch.Tensor | None = None):
     """SwiGLU backward pass: pre (M, 2F), dh (M, F) -> (d_pre (M, 2F), h or None, d_scale or None).

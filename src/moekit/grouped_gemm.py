@@ -19,6 +19,7 @@ from ._kernels.hopper_modes import ColSum
 from .descriptors import TensorDescriptor, descriptor, row_bounded, tma_ok, weight_descriptor
 from .dispatch import custom_op
 from .hopper import WS_TILE, ws_gemm, ws_ragged_k, ws_rows_ragged
+from .plans import planned
 from .reference import grouped_mm_ref
 from .validation import autocast, check_inputs, check_offs, matrix_ready
 
@@ -27,6 +28,7 @@ from .validation import autocast, check_inputs, check_offs, matrix_ready
 # --------------------------------------------------------------------------------------------------
 
 
+@planned
 def ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None, bias=None, group_scale=None,
               zero_tail: bool = True):
     """2D x 3D: a (M, K), b (E, K, N), optional bias (E, N) -> (M, N); rows past offs[-1] are zero
@@ -81,6 +83,7 @@ def ragged_m(a, b, offs, out_dtype, cfg: config.TileConfig | None, bias=None, gr
 
 
 
+@planned
 def ragged_k(a, b, offs, out_dtype, cfg: config.TileConfig | None, *, ones_row: bool = False,
               colsum: bool = False):
     """2D x 2D: a (M, Kt), b (Kt, N), offs over Kt -> (E, M, N); empty groups are zero.

@@ -14,6 +14,7 @@ import torch
 from . import config, launch
 from ._kernels.hopper_modes import ColSum, Epilogue
 from .descriptors import descriptor, row_bounded, tma_ok, weight_descriptor
+from .plans import constant
 from .validation import ALIGN
 
 WS_TILE = (128, 256, 64)  # (block_m, block_n, block_k): two consumer warpgroups of 64 rows
@@ -86,7 +87,7 @@ def ws_rows_setup(a, b, offs, c, out2, *, box_n: int, zero_tail: bool = True):
     a_desc = ws_desc(a, [m, k], [a.stride(0), 1], [bm, bk])
     b_desc = weight_descriptor(b, bk, box_n, make=ws_desc)
     max_row_tiles = launch.cdiv(m, bm) + e
-    table = torch.empty(4 * (max_row_tiles + 1), dtype=torch.int32, device=a.device)
+    table = config.workspace((4 * (max_row_tiles + 1),), dtype=torch.int32, device=a.device)
     launch.kernel(hk._tile_table_kernel)[(max(launch.cdiv(max_row_tiles, 32), 8),)](
         offs, table, c, out2, m, c.shape[1], out2.shape[1] if out2 is not c else 0, e,
         c.stride(0), out2.stride(0), max_row_tiles,
@@ -176,7 +177,7 @@ def ws_swiglu_nvfp4_ok(a, b) -> bool:
 def _staging_tile(device: torch.device) -> torch.Tensor:
     """A bf16 tile of the epilogue buffer's shape: the descriptor that sizes the shared-memory staging
     of a kernel whose output leaves by pointer stores (never read or written through)."""
-    return torch.zeros(WS_TILE[0] // 2, WS_TILE[1], dtype=torch.bfloat16, device=device)
+    return constant(torch.zeros(WS_TILE[0] // 2, WS_TILE[1], dtype=torch.bfloat16, device=device))
 
 
 def ws_swiglu_nvfp4(a, b, offs, values, scales, gscale, *, bias=None, spec=None):
@@ -207,7 +208,7 @@ def _ones_tile(device: torch.device, rows: int, cols: int) -> torch.Tensor:
     """A (rows, cols) bf16 tile whose first column is ones: the A operand of a virtual ones row."""
     t = torch.zeros(rows, cols, dtype=torch.bfloat16, device=device)
     t[:, 0] = 1.0
-    return t
+    return constant(t)
 
 
 def ws_ragged_k(a, b, offs, out, colsum, mode: ColSum):

@@ -44,6 +44,7 @@ import functools
 import torch
 
 from . import config
+from .config import settings as _settings
 
 _CACHE_LIMIT = 4096  # signatures per kernel; past it the cache starts afresh (a run whose sizes never repeat)
 
@@ -67,11 +68,11 @@ def _desc_fact(d):
     return d.base.dtype, tuple(d.block_shape), getattr(d, "layout", None), d.padding
 
 
-_DESCRIPTORS: tuple = ()
+DESCRIPTORS: tuple = ()
 
 
 def _register_descriptors() -> None:
-    global _DESCRIPTORS
+    global DESCRIPTORS
     found = []
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -85,7 +86,7 @@ def _register_descriptors() -> None:
         found.append(GluonDescriptor)
     except ImportError:  # pragma: no cover - Triton without Gluon
         pass
-    _DESCRIPTORS = tuple(found)
+    DESCRIPTORS = tuple(found)
 
 
 _register_descriptors()
@@ -102,9 +103,9 @@ class _Layout:
 
     def __init__(self, types: tuple, kw_names: tuple, kernel: Kernel):
         self.by_value = tuple(i for i, t in enumerate(types)
-                              if not issubclass(t, torch.Tensor) and t not in _DESCRIPTORS)
+                              if not issubclass(t, torch.Tensor) and t not in DESCRIPTORS)
         self.tensors = tuple(i for i, t in enumerate(types) if issubclass(t, torch.Tensor))
-        self.descriptors = tuple(i for i, t in enumerate(types) if t in _DESCRIPTORS)
+        self.descriptors = tuple(i for i, t in enumerate(types) if t in DESCRIPTORS)
         n_args, n_values = len(types) - len(kw_names), len(types)
         order = []
         for j, name in enumerate(kernel._names):
@@ -122,7 +123,7 @@ def _arg_key(a):
     t = type(a)
     if issubclass(t, torch.Tensor):
         return t, _tensor_fact(a)
-    return t, _desc_fact(a) if t in _DESCRIPTORS else a
+    return t, _desc_fact(a) if t in DESCRIPTORS else a
 
 
 class Kernel:
@@ -148,7 +149,10 @@ class Kernel:
                 tuple([_desc_fact(values[i]) for i in layout.descriptors]))
 
     def _launch(self, grid, args, kwargs):
+        recorder = _settings.RECORDER
         if not config.get_options().fast_launch:
+            if recorder is not None:
+                recorder.launch(None, None, grid, ())  # (a launch it cannot replay)
             return self.fn[grid](*args, **kwargs)
         device = _driver().get_current_device()
         if kwargs:
@@ -164,19 +168,25 @@ class Kernel:
             key = self._key(values, sig, layout, device)
             entry = self._compiled.get(key)
         except (TypeError, KeyError):  # a value that cannot key a cache, a missing argument: Triton's path
+            if recorder is not None:
+                recorder.launch(None, None, grid, ())
             return self.fn[grid](*args, **kwargs)
+        if layout.order is not None:
+            every = values + self._defaults
+            values = [every[i] for i in layout.order]
         if entry is None:
             compiled = self.fn[grid](*args, **kwargs)  # binds, compiles or finds, launches
             if compiled is not None:
                 if len(self._compiled) >= _CACHE_LIMIT:
                     self._compiled.clear()
-                self._compiled[key] = (compiled, _direct(compiled))
+                entry = self._compiled[key] = (compiled, _direct(compiled))
+            if recorder is not None:
+                recorder.launch(*(entry or (None, None)), grid, values)
             return compiled
-        if layout.order is not None:
-            every = values + self._defaults
-            values = [every[i] for i in layout.order]
         compiled, direct = entry
-        _run(compiled, grid, values, device, direct)
+        if recorder is not None:
+            recorder.launch(compiled, direct, grid, values)
+        run(compiled, grid, values, device, direct)
         return compiled
 
 
@@ -276,7 +286,19 @@ def _direct(compiled):
         return None
 
 
-def _run(compiled, grid, values, device: int, direct=None) -> None:
+def current_device() -> int:
+    """The current CUDA device's index, as Triton's driver reads it."""
+    return _driver().get_current_device()
+
+
+def hooked() -> bool:
+    """Whether a launch hook (a profiler's) is set."""
+    return _live(_hooks().launch_enter_hook) is not None
+
+
+def run(compiled, grid, values, device: int, direct=None) -> None:
+    """Launch ``compiled`` on ``device``'s current stream with ``values`` in declaration order (pointer
+    arguments may be addresses), through ``direct`` (its :class:`_Direct`) where given."""
     stream = _driver().get_current_stream(device)
     n = len(grid)
     g0, g1, g2 = grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1
@@ -310,4 +332,7 @@ def cached_signatures(fn) -> int:
     return 0 if entry is None or entry[0] is not fn else len(entry[1]._compiled)
 
 
-__all__ = ["Kernel", "cached_signatures", "cdiv", "kernel", "next_power_of_2"]
+__all__ = [
+    "DESCRIPTORS", "Kernel", "cached_signatures", "cdiv", "current_device", "hooked", "kernel", "next_power_of_2",
+    "run",
+]

@@ -35,6 +35,7 @@ from ._kernels.routing import (
     _topk_weights_grad_kernel,
 )
 from .dispatch import custom_op
+from .plans import planned
 from .validation import unit_columns
 
 _BLOCK = 128  # routed entries per program of the metadata kernels
@@ -142,6 +143,7 @@ def combine_ref(y: torch.Tensor, weights: torch.Tensor | None, row_of: torch.Ten
 # --------------------------------------------------------------------------------------------------
 
 
+@planned
 def routing_metadata_fwd(experts: torch.Tensor, num_experts: int):
     """Triton twin of ``routing_metadata_ref``: three kernels (histogram, scan, scatter), no sync."""
     t, k = experts.shape
@@ -171,6 +173,7 @@ def routing_metadata_fwd(experts: torch.Tensor, num_experts: int):
     return counts, offs, token_idx, row_of
 
 
+@planned
 def router_topk_fwd(key: torch.Tensor, scores: torch.Tensor, top_k: int, renormalize: bool):
     """Triton twin of ``router_topk_ref``'s choice: key, scores (T, E) fp32 -> (weights (T, K) fp32,
     experts (T, K) int32): the K largest keys (ties to the lower index, NaN first) and the scores there,
@@ -191,6 +194,7 @@ def router_topk_fwd(key: torch.Tensor, scores: torch.Tensor, top_k: int, renorma
     return weights, experts
 
 
+@planned
 def topk_weights_grad_fwd(dw: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor,
                           renormalize: bool) -> torch.Tensor:
     """Triton twin of ``topk_weights_grad_ref``: dw (T, K), scores (T, E) fp32, experts (T, K) int32
@@ -209,6 +213,7 @@ def topk_weights_grad_fwd(dw: torch.Tensor, scores: torch.Tensor, experts: torch
     return ds
 
 
+@planned
 def scatter_weights_fwd(weights: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
     """out (T*K,) fp32 with out[row_of[t, k]] = weights[t, k], in one kernel. A negative entry is skipped
     (``sorted_weights``' absent choices); rows that no entry names are left unwritten."""
@@ -220,6 +225,7 @@ def scatter_weights_fwd(weights: torch.Tensor, row_of: torch.Tensor) -> torch.Te
     return out
 
 
+@planned
 def gather_weights_fwd(grad: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
     """``scatter_weights_fwd``'s backward: grad (R,) fp32, row_of (T, K) int32 -> (T, K) fp32 with
     out[t, k] = grad[row_of[t, k]], and zero where row_of[t, k] < 0, in one kernel."""
@@ -231,6 +237,7 @@ def gather_weights_fwd(grad: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor
     return out
 
 
+@planned
 def gather_rows_with_ones(x: torch.Tensor, token_idx: torch.Tensor) -> torch.Tensor:
     """x (T, D), token_idx (R,) int32 -> [x[token_idx] | 1] as a (R, D + 1) view of a buffer whose rows
     are padded to a multiple of 64 elements (``index_select`` cannot write into such a buffer)."""
@@ -250,6 +257,7 @@ def _combine_blocks():
     return (4, 32) if config.is_interpreting() else (8, 256)
 
 
+@planned
 def combine_fwd(y, weights, row_of):
     t, k = row_of.shape
     d = y.shape[1]
@@ -262,6 +270,7 @@ def combine_fwd(y, weights, row_of):
     return out
 
 
+@planned
 def combine_bwd(dout, y, weights, row_of, need_weights: bool, rows: int | None = None):
     """dy (R, D) = weights[t, k] * dout[t] at row row_of[t, k], and, with ``need_weights``, dw (T, K)
     fp32 = <dout[t], y[row_of[t, k]]>. ``weights=None`` (a plain sum): dy rows are copies of dout
@@ -589,6 +598,7 @@ def split_logits_ref(both: torch.Tensor, bias: torch.Tensor | None) -> torch.Ten
     return logits if bias is None else logits + bias.float()
 
 
+@planned
 def split_logits_fwd(both: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``split_logits_ref`` in one kernel (the same bits): both (T, 2E) fp32 with unit stride along
     its columns, bias (E,) fp32 or None -> (T, E) fp32."""
@@ -604,6 +614,7 @@ def split_logits_fwd(both: torch.Tensor, bias: torch.Tensor | None) -> torch.Ten
     return out
 
 
+@planned
 def _split_bf16(w: torch.Tensor) -> torch.Tensor:
     """(E, D) fp32 -> (2E, D) bf16 [hi; lo] with hi + lo = w to ~16 mantissa bits (one kernel where
     Triton runs, the same bits)."""

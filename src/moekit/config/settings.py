@@ -55,6 +55,9 @@ class Options:
       hooks on its experts, no aux loss, not NVFP4) runs as one autograd node, whose forward and backward
       call the ops' launchers directly (``moekit.block``); off, it composes the public ops, one node
       each. The kernels and their bits are the same; the fused node spends less host time per step.
+    - ``plans`` (``MOEKIT_PLANS``, on, with ``fast_launch``): the launchers of the block's kernels keep a
+      launch plan per call signature (``moekit.plans``): later calls allocate, move the recorded launches'
+      pointers to their tensors and launch, deciding nothing again. The kernels and their bits are the same.
     - ``poison`` (no variable; a test aid): every kernel output starts as NaN (-1 for integers), so an
       unwritten element shows.
     """
@@ -70,6 +73,7 @@ class Options:
     nvfp4_ptx_decode: bool = True
     fast_launch: bool = True
     fused_block: bool = True
+    plans: bool = True
     poison: bool = False
 
 
@@ -133,12 +137,26 @@ def options(**changes):
         _options = previous
 
 
+RECORDER = None  # moekit.plans' recording in progress (it sees every allocation below), or None
+
+
 def empty(shape, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Allocate a kernel output (poisoned under the ``poison`` option: NaN, or -1 for integer outputs)."""
     out = torch.empty(shape, dtype=dtype, device=device)
-    if not _options.poison:
-        return out
-    return out.fill_(float("nan") if dtype.is_floating_point else -1)
+    if _options.poison:
+        out.fill_(float("nan") if dtype.is_floating_point else -1)
+    if RECORDER is not None:
+        RECORDER.alloc(out)
+    return out
+
+
+def workspace(shape, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Allocate scratch that a kernel fills before any kernel reads it (a tile table): ``empty`` without
+    the poison, and seen by a recording as ``empty`` is."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if RECORDER is not None:
+        RECORDER.alloc(out)
+    return out
 
 
 def fused_dswiglu() -> bool:
