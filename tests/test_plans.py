@@ -1,6 +1,9 @@
 """Launch plans (``moekit.plans``): recording, refusal and replay with pointers moved, on the CPU with
 the launch layer stood in for; and on the GPU, the block step with plans against without, bit for bit."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -133,6 +136,29 @@ def test_a_launcher_called_while_another_records_is_recorded_with_it(stand_in):
     assert plan_counts(_shifted) == before and plan_counts(outer) == (1, 0)
     o2 = outer(x2)
     assert _LOG[-1] == ("replay", (5, 3), [x2.data_ptr() + 4, o2.data_ptr(), 5, 3])
+
+
+def test_a_recording_keeps_no_tensor_alive(stand_in):
+    """A recorded call's tensors go when the caller drops them, without a garbage collection: a reference
+    cycle through them kept an autograd graph, and its gradient accumulators made on the default stream,
+    alive into a later CUDA-graph capture, whose backward then waited on the legacy stream."""
+    @planned
+    def launcher(x):
+        out = config.empty((x.shape[0], 8), dtype=x.dtype, device=x.device)
+        _launch((1,), [x, out])
+        return out[:, :3], out
+
+    gc.disable()
+    try:
+        x = torch.randn(5, 4)
+        for _ in range(2):  # the recording, then a replay
+            views, out = launcher(x)
+            alive = weakref.ref(out), weakref.ref(views)
+            del views, out
+            assert all(r() is None for r in alive)
+        assert plan_counts(launcher) == (1, 0)
+    finally:
+        gc.enable()
 
 
 def test_plans_stay_off_under_the_interpreter(monkeypatch):

@@ -21,8 +21,8 @@ section 9). :func:`planned` wraps such a launcher:
   launch layer's cache) and return the outputs as the same views. The kernels and their arguments are
   the recorded ones, so the bits are the launcher's.
 
-Plans run with the ``plans`` and ``fast_launch`` options on, off Triton's interpreter, outside CUDA-graph
-capture and while no launch hook (a profiler) is set; a launcher called while another one records runs itself, and the
+Plans run with the ``plans`` and ``fast_launch`` options on, off Triton's interpreter and while no
+launch hook (a profiler) is set; a launcher called while another one records runs itself, and the
 outer recording sees its work. ``plans`` off runs every launcher as written.
 """
 
@@ -38,7 +38,6 @@ from .config import settings
 
 _LIMIT = 1024  # plans per launcher; past it they start afresh (a run whose shapes never repeat)
 _REFUSED = object()
-_CUDA = torch.cuda.is_available()
 _CONSTANTS: list = []  # (start, end) of the tensors that ``constant`` registered: alive for good
 
 
@@ -130,34 +129,54 @@ def _rebuild(spec, sources):
     return src.as_strided(shape, stride, src.storage_offset() + off // src.element_size())
 
 
+def _resolve(ptr: int, spans: list, bases: list):
+    """(source, offset from its data pointer) of the one source whose memory holds ``ptr``, or None."""
+    for s, (lo, hi) in enumerate(spans):
+        if lo <= ptr < hi:
+            return s, ptr - bases[s]
+    return None
+
+
+def _spec(o, spans: list, bases: list, dtypes: list):
+    """How to rebuild a recorded output (``_rebuild``), or False where it cannot be."""
+    if o is None:
+        return None
+    if isinstance(o, tuple | list):
+        parts = [_spec(x, spans, bases, dtypes) for x in o]
+        return False if any(p is False for p in parts) else ("tuple", parts)
+    if not isinstance(o, torch.Tensor) or o.numel() == 0:
+        return False
+    where = _resolve(o.data_ptr(), spans, bases)
+    if where is None or o.dtype != dtypes[where[0]]:
+        return False
+    return ("tensor", *where, o.shape, o.stride())
+
+
 def _record(rec: _Recorder, inputs: list, versions: list, out):
-    """The plan of a recorded call, or None where it cannot be replayed (the module docstring)."""
+    """The plan of a recorded call, or None where it cannot be replayed (the module docstring). It keeps
+    no tensor, and makes no reference cycle through one: a recorded call's tensors (autograd outputs among
+    them, and through their graph the gradient accumulators made on the stream of that time) must go when
+    their caller drops them, not at the next garbage collection."""
     if not rec.ok or not rec.launches or any(t._version != v for t, v in zip(inputs, versions, strict=True)):
         return None
     if any(t._version != v for t, v in rec.allocs):
         return None
     sources = inputs + [t for t, _ in rec.allocs]
-    spans = []
+    spans, bases, dtypes = [], [t.data_ptr() for t in sources], [t.dtype for t in sources]
     for t in sources:
         storage = t.untyped_storage()
         spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+    del sources
     ordered = sorted(spans)
     if any(a[1] > b[0] and a[0] != a[1] for a, b in zip(ordered, ordered[1:], strict=False)):
         return None  # two sources share memory: a pointer would not say whose it is
-
-    def resolve(ptr: int):
-        for s, (lo, hi) in enumerate(spans):
-            if lo <= ptr < hi:
-                return s, ptr - sources[s].data_ptr()
-        return None
-
     launches = []
     for compiled, direct, grid, values in rec.launches:
         pointers, descriptors = [], []
         for i, v in enumerate(values):
             if isinstance(v, torch.Tensor) or type(v) in launch.DESCRIPTORS:
                 ptr = (v if isinstance(v, torch.Tensor) else v.base).data_ptr()
-                where = resolve(ptr)
+                where = _resolve(ptr, spans, bases)
                 if where is None and any(lo <= ptr < hi for lo, hi in _CONSTANTS):
                     continue  # kept as it is
                 if where is None:
@@ -171,21 +190,7 @@ def _record(rec: _Recorder, inputs: list, versions: list, out):
                     descriptors.append((i, *where, desc))
                 values[i] = None
         launches.append((compiled, direct, grid, tuple(values), tuple(pointers), tuple(descriptors)))
-
-    def spec(o):
-        if o is None:
-            return None
-        if isinstance(o, tuple | list):
-            parts = [spec(x) for x in o]
-            return False if any(p is False for p in parts) else ("tuple", parts)
-        if not isinstance(o, torch.Tensor) or o.numel() == 0:
-            return False
-        where = resolve(o.data_ptr())
-        if where is None or o.dtype != sources[where[0]].dtype:
-            return False
-        return ("tensor", *where, o.shape, o.stride())
-
-    outputs = spec(out)
+    outputs = _spec(out, spans, bases, dtypes)
     if outputs is False:
         return None
     allocs = [(t.shape, t.dtype, t.device) for t, _ in rec.allocs]
@@ -201,7 +206,7 @@ def planned(fn):
         opts = config.get_options()
         if not (opts.plans and opts.fast_launch) or settings.RECORDER is not None or config.is_interpreting():
             return fn(*args, **kwargs)
-        if launch.hooked() or (_CUDA and torch.cuda.is_current_stream_capturing()):  # (a capture runs once)
+        if launch.hooked():
             return fn(*args, **kwargs)
         try:
             key = (opts, launch.current_device(), tuple(map(_fact, args)),
