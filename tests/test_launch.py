@@ -76,7 +76,7 @@ def test_cached_launch_passes_every_argument_in_declaration_order(monkeypatch, c
     fn = _FakeJIT()
     runs = []
     monkeypatch.setattr(launch, "_driver", lambda: type("D", (), {"get_current_device": staticmethod(lambda: 0)}))
-    monkeypatch.setattr(launch, "_run", lambda compiled, grid, values, device, direct=None: runs.append(list(values)))
+    monkeypatch.setattr(launch, "run", lambda compiled, grid, values, device, direct=None: runs.append(list(values)))
     k = launch.Kernel(fn)
     k[(1,)](*args, **kwargs)
     assert fn.calls == [(args, kwargs)] and runs == []
