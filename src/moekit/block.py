@@ -28,6 +28,7 @@ from .dispatch import PLAIN_TYPES
 from .epilogue import SwiGLU
 from .experts import downproj_bwd, grouped_mm_swiglu_fwd, up_grads
 from .grouped_gemm import ragged_m
+from .plans import planned
 from .routing import (
     combine_bwd,
     combine_fwd,
@@ -51,27 +52,62 @@ class StepPlan(NamedTuple):
     spec: SwiGLU
 
 
+@planned
+def _forward(x, gate_w, gate_b, expert_bias, w1, b1, w2, b2, plan: StepPlan, keep_h: bool):
+    """The step's forward launches -> (out, counts, then the tensors its backward reads)."""
+    w1c = w1 if w1.dtype == x.dtype else w1.to(x.dtype)
+    w2c = w2 if w2.dtype == x.dtype else w2.to(x.dtype)
+    weights, experts, scores = router_op.impl(x, gate_w, gate_b, expert_bias, plan.top_k, plan.sigmoid,
+                                              plan.renormalize)
+    counts, offs, token_idx, row_of = routing_metadata_fwd(experts, plan.num_experts)
+    scale = scatter_weights_fwd(weights, row_of) if b2 is None else None
+    h, aux = grouped_mm_swiglu_fwd(x, w1c.mT, offs, b1, plan.spec, token_idx=token_idx, row_scale=scale)
+    ys = ragged_m(h, w2c.mT, offs, x.dtype, None, bias=b2)
+    out = combine_fwd(ys, weights if scale is None else None, row_of)
+    weighted = scale is None
+    return (out, counts, x, gate_w, gate_b, experts, scores, offs, token_idx, row_of, aux, h if keep_h else None,
+            w1c, w2c, b1, b2, scale, weights if weighted else None, ys if weighted else None)
+
+
+@planned
+def _backward(dout, x, gate_w, gate_b, experts, scores, offs, token_idx, row_of, aux, h, w1, w2, b1, b2, scale,
+              weights, ys, plan: StepPlan, needs: tuple):
+    """The step's backward launches -> the gradients of ``_MoEStepFn.forward``'s inputs."""
+    need_x, need_gw, need_gb, _, need_w1, need_b1, need_w2, need_b2, _ = needs
+    dout = dout.contiguous()
+    need_route = need_x or need_gw or need_gb  # the routing weights' gradient
+    if scale is None:  # the weighted combine
+        dys, d_weights = combine_bwd(dout, ys, weights, row_of, need_route)
+    else:
+        dys, d_weights = combine_bwd(dout, None, None, row_of, False, rows=aux.shape[0])[0], None
+    d_aux, dw2, db2, d_scale = downproj_bwd(matrix_ready(dys), w2.mT, offs, aux, plan.spec, need_w=need_w2,
+                                            need_b=need_b2, h=h, scale=scale)
+    if scale is not None and need_route:
+        d_weights = gather_weights_fwd(d_scale, row_of)
+    dx = dw1 = db1 = dgw = dgb = None
+    if need_x or need_w1 or need_b1:
+        dx, dw1, db1 = up_grads(matrix_ready(d_aux), x, w1.mT, offs, b1, token_idx, row_of, need_x, need_w1,
+                                need_b1, True)
+    if need_route:
+        dx_r, dgw, dgb = router_grads(d_weights, None, x, gate_w, gate_b, experts, scores, plan.sigmoid,
+                                      plan.renormalize, need_x, need_gw, need_gb)
+        dx = dx_r if dx is None else dx + dx_r
+    return (dx, dgw, dgb, None, None if dw1 is None else dw1.mT, db1, None if dw2 is None else dw2.mT,
+            None if db2 is None else db2.to(b2.dtype), None)
+
+
 class _MoEStepFn(torch.autograd.Function):
     """(x (T, D), gate weight (E, D), gate bias (E,) or None, expert_bias (E,) or None, w_up (E, 2F, D),
     b_up (E, 2F) or None, w_down (E, D, F), b_down (E, D) or None, plan) -> (out (T, D), counts (E,)
     int32, not differentiable). Without b_down the routing weights scale the SwiGLU output and the
-    combine is a plain sum (``MoE``'s docstring)."""
+    combine is a plain sum (``MoE``'s docstring). Forward and backward are launch plans
+    (``moekit.plans``) of ``_forward`` and ``_backward``."""
 
     @staticmethod
     def forward(ctx, x, gate_w, gate_b, expert_bias, w1, b1, w2, b2, plan):
-        w1c = w1 if w1.dtype == x.dtype else w1.to(x.dtype)
-        w2c = w2 if w2.dtype == x.dtype else w2.to(x.dtype)
-        weights, experts, scores = router_op.impl(x, gate_w, gate_b, expert_bias, plan.top_k, plan.sigmoid,
-                                                  plan.renormalize)
-        counts, offs, token_idx, row_of = routing_metadata_fwd(experts, plan.num_experts)
-        scale = scatter_weights_fwd(weights, row_of) if b2 is None else None
-        h, aux = grouped_mm_swiglu_fwd(x, w1c.mT, offs, b1, plan.spec, token_idx=token_idx, row_scale=scale)
-        ys = ragged_m(h, w2c.mT, offs, x.dtype, None, bias=b2)
-        out = combine_fwd(ys, weights if scale is None else None, row_of)
         keep_h = config.save_h() and ctx.needs_input_grad[6]
-        weighted = scale is None
-        ctx.save_for_backward(x, gate_w, gate_b, experts, scores, offs, token_idx, row_of, aux, h if keep_h else None,
-                              w1c, w2c, b1, b2, scale, weights if weighted else None, ys if weighted else None)
+        out, counts, *saved = _forward(x, gate_w, gate_b, expert_bias, w1, b1, w2, b2, plan, keep_h)
+        ctx.save_for_backward(*saved)
         ctx.plan = plan
         ctx.mark_non_differentiable(counts)
         ctx.set_materialize_grads(False)
@@ -79,31 +115,9 @@ class _MoEStepFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _):
-        x, gate_w, gate_b, experts, scores, offs, token_idx, row_of, aux, h, w1, w2, b1, b2, scale, weights, ys = (
-            ctx.saved_tensors)
-        need_x, need_gw, need_gb, _, need_w1, need_b1, need_w2, need_b2, _ = ctx.needs_input_grad
         if dout is None:
             return (None,) * 9
-        plan, dout = ctx.plan, dout.contiguous()
-        need_route = need_x or need_gw or need_gb  # the routing weights' gradient
-        if scale is None:  # the weighted combine
-            dys, d_weights = combine_bwd(dout, ys, weights, row_of, need_route)
-        else:
-            dys, d_weights = combine_bwd(dout, None, None, row_of, False, rows=aux.shape[0])[0], None
-        d_aux, dw2, db2, d_scale = downproj_bwd(matrix_ready(dys), w2.mT, offs, aux, plan.spec, need_w=need_w2,
-                                                need_b=need_b2, h=h, scale=scale)
-        if scale is not None and need_route:
-            d_weights = gather_weights_fwd(d_scale, row_of)
-        dx = dw1 = db1 = dgw = dgb = None
-        if need_x or need_w1 or need_b1:
-            dx, dw1, db1 = up_grads(matrix_ready(d_aux), x, w1.mT, offs, b1, token_idx, row_of, need_x, need_w1,
-                                    need_b1, True)
-        if need_route:
-            dx_r, dgw, dgb = router_grads(d_weights, None, x, gate_w, gate_b, experts, scores, plan.sigmoid,
-                                          plan.renormalize, need_x, need_gw, need_gb)
-            dx = dx_r if dx is None else dx + dx_r
-        return (dx, dgw, dgb, None, None if dw1 is None else dw1.mT, db1, None if dw2 is None else dw2.mT,
-                None if db2 is None else db2.to(b2.dtype), None)
+        return _backward(dout, *ctx.saved_tensors, ctx.plan, ctx.needs_input_grad)
 
 
 def _hooked(m: torch.nn.Module) -> bool:

@@ -34,8 +34,12 @@ PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def _eager(args) -> bool:
-    """Plain eager execution: not compiling, no dispatch mode active, only plain tensors."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+    """Plain eager execution: not compiling, no dispatch mode active (``moekit.plans``' recorder, which
+    sees the ops beneath, aside), only plain tensors."""
+    if torch.compiler.is_compiling():
+        return False
+    modes = torch._C._len_torch_dispatch_stack()
+    if modes and not (modes == 1 and getattr(torch._C._get_dispatch_stack_at(0), "moekit_recorder", False)):
         return False
     return all(type(a) in PLAIN_TYPES for a in args if isinstance(a, torch.Tensor))
 

@@ -291,6 +291,11 @@ def current_device() -> int:
     return _driver().get_current_device()
 
 
+def current_stream(device: int) -> int:
+    """``device``'s current stream handle, as Triton's driver reads it."""
+    return _driver().get_current_stream(device)
+
+
 def hooked() -> bool:
     """Whether a launch hook (a profiler's) is set."""
     return _live(_hooks().launch_enter_hook) is not None

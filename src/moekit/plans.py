@@ -1,29 +1,31 @@
-"""Launch plans: a launcher's host decisions made once per call signature.
+"""Launch plans: a function's host decisions made once per call signature.
 
-A launcher (``ragged_m``, ``grouped_mm_swiglu_fwd``, ``combine_fwd``, ...) decides its path, tile
-config, grid, descriptors and arguments from its inputs' metadata, then allocates its outputs and
-launches; below T ~ 4096 those decisions are most of an eager block step's host time (docs/design.md,
-section 9). :func:`planned` wraps such a launcher:
+A launcher (``ragged_m``, ``combine_fwd``, ...) or a whole block step (``moekit.block``) decides its
+path, tile configs, grids, descriptors and arguments from its inputs' metadata, then runs torch ops
+and launches kernels; below T ~ 4096 those decisions are most of an eager block step's host time
+(docs/design.md, section 9). :func:`planned` wraps such a function:
 
-- **Key.** Per call: moekit's options, the current device, and per argument its value, or for a tensor
-  its shape, strides, dtype, device and address modulo 16 (the launch layer's specialization facts
-  follow from these).
-- **Record.** The first call of a key runs the launcher while ``config.empty`` and the launch layer
-  report to a recorder: each allocation, and each launch (the compiled kernel, its grid and its
-  arguments in declaration order). Every pointer among the launches' arguments (a tensor, or a TMA
-  descriptor's base) and every output must then lie in the memory of one input tensor or one
-  allocation, at an offset that the key fixes; no input or allocation may have been written by torch
-  (its version counter moved), every launch must be one the launch layer launches directly, and there
-  must be at least one. Otherwise the key is refused and always runs the launcher itself: a torch op
-  among the launches, a tensor from elsewhere, Triton's own launch path all show up here.
-- **Replay.** Later calls of the key allocate the same buffers, launch the recorded kernels with each
-  pointer moved to this call's tensors (descriptors re-encoded only where their address is new: the
-  launch layer's cache) and return the outputs as the same views. The kernels and their arguments are
-  the recorded ones, so the bits are the launcher's.
+- **Key.** Per call: moekit's options, the current device, grad mode, inference mode and autocast (CUDA's, the CPU's),
+  and per argument its value, or for a tensor its shape, strides, dtype, device, address modulo 16 and
+  requires_grad (everything the launch layer and the launchers decide on follows from these).
+- **Record.** The first call of a key runs the function under a recorder that sees every torch op
+  below autograd (a ``TorchDispatchMode``: allocations, views, copies, GEMMs) and every launch of the
+  launch layer (the compiled kernel, its grid and its arguments in declaration order). Each tensor an
+  op or a launch takes must be an input, an earlier op's output, or memory registered with
+  :func:`constant`; each output must be one of those. The call is refused (the key then always runs
+  the function itself) where that fails, where a launch is one the launch layer cannot launch directly
+  (Triton's own path), where an op's output shape or value depends on data (``nonzero``, ``item``:
+  a host sync), where an output requires grad (autograd recorded above the ops), where two inputs share
+  memory, or where nothing was launched.
+- **Replay.** Later calls of the key run the recorded ops on this call's tensors and launch the
+  recorded kernels with each pointer moved (descriptors re-encoded only where their address is new:
+  the launch layer's cache), and return the outputs. The ops and the kernels are the recorded ones on
+  the same values, so the bits are the function's; the memory is allocated as the function would.
 
-Plans run with the ``plans`` and ``fast_launch`` options on, off Triton's interpreter and while no
-launch hook (a profiler) is set; a launcher called while another one records runs itself, and the
-outer recording sees its work. ``plans`` off runs every launcher as written.
+Plans run with the ``plans`` and ``fast_launch`` options on, off Triton's interpreter, while no launch
+hook (a profiler) and no other dispatch mode is set, and never in a recording: a planned function
+called while another one records runs itself, and the outer recording sees its work. A recording keeps
+no tensor once it is done (the plan holds only registered constants).
 """
 
 from __future__ import annotations
@@ -32,13 +34,24 @@ import functools
 import threading
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import config, launch
 from .config import settings
 
-_LIMIT = 1024  # plans per launcher; past it they start afresh (a run whose shapes never repeat)
+_LIMIT = 1024  # plans per function; past it they start afresh (a run whose shapes never repeat)
 _REFUSED = object()
 _CONSTANTS: list = []  # (start, end) of the tensors that ``constant`` registered: alive for good
+_UNREPLAYABLE = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
+_OP, _LAUNCH = 0, 1
+_DETACH, _EMPTY = torch.ops.aten.detach.default, torch.ops.aten.empty.memory_format
+_ARENA = -1  # a pointer into the replay's one allocation for kernel-only scratch
+_ARENA_SLICE_MAX = 1 << 20  # bytes: larger kernel-only allocations keep their own (freed as they were)
+_ARENA_ALIGN = 512  # bytes, as the caching allocator aligns
+_aten = torch.ops.aten
+_VIEWS = {_aten.t.default, _aten.transpose.int, _aten.permute.default, _aten.view.default, _aten.select.int,
+          _aten.slice.Tensor, _aten.as_strided.default, _aten.unsqueeze.default, _aten.squeeze.dim,
+          _aten.expand.default, _aten.alias.default}
 
 
 def constant(t: torch.Tensor) -> torch.Tensor:
@@ -47,6 +60,12 @@ def constant(t: torch.Tensor) -> torch.Tensor:
     storage = t.untyped_storage()
     _CONSTANTS.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
     return t
+
+
+def _is_constant(t: torch.Tensor) -> bool:
+    storage = t.untyped_storage()
+    lo = storage.data_ptr()
+    return any(a <= lo and lo + storage.nbytes() <= b for a, b in _CONSTANTS)
 
 
 class _Address:
@@ -61,144 +80,329 @@ class _Address:
         return self.ptr
 
 
-class _Recorder:
-    """What a launcher allocates and launches on the recording thread."""
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
-    def __init__(self):
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) bytes that t's elements span."""
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) if t.numel() else -1
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+class _Recorder(TorchDispatchMode):
+    """A recording on one thread (the module docstring): ``steps`` in order, each a torch op with its
+    tensor arguments as source indices, or a launch with its pointers as (source, byte offset); the
+    sources are the inputs, then each op's outputs."""
+
+    moekit_recorder = True  # (moekit.dispatch treats this mode as absent: custom ops stay direct calls)
+
+    def __init__(self, inputs: list):
+        super().__init__()
         self.thread = threading.get_ident()
-        self.allocs: list = []
-        self.launches: list = []
+        self.sources = list(inputs)
+        self.index, self.views = {}, {}
+        for i in reversed(range(len(inputs))):
+            self._source(inputs[i], i)
+        self.steps: list = []
+        self.alias: dict = {}  # source -> (source it views, byte offset): a view op's output
+        self.empties: dict = {}  # source -> its bytes: an uninitialized CUDA allocation
+        self.launched = False
         self.ok = True
 
-    def alloc(self, t: torch.Tensor) -> None:
-        if threading.get_ident() == self.thread:
-            self.allocs.append((t, t._version))
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.ok:
+            return out
+        if func is _DETACH and not (torch.is_grad_enabled() and args[0].requires_grad):
+            s = self._slot(args[0])  # (what torch's factory functions add under a mode: no op to replay)
+            if s is False:
+                self.ok = False
+            elif s is not None:
+                self._source(out, s)
+            return out
+        self.ok = self._op(func, args, kwargs, out)
+        return out
+
+    def _source(self, t: torch.Tensor, s: int) -> None:
+        self.index[id(t)] = s
+        self.views.setdefault((t.data_ptr(), t.shape, t.stride(), t.dtype), s)
+
+    def _slot(self, t):
+        """t's source index (itself, or the same view of the same memory), None for registered constant
+        memory (kept as it is), False for neither."""
+        s = self.index.get(id(t))
+        if s is None:
+            s = self.views.get((t.data_ptr(), t.shape, t.stride(), t.dtype))
+        if s is not None:
+            return s
+        return None if _is_constant(t) else False
+
+    def _op(self, func, args, kwargs, out) -> bool:
+        if any(tag in func.tags for tag in _UNREPLAYABLE):
+            return False
+        template, slots, kw_template, kw_slots = list(args), [], dict(kwargs), []
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                s = self._slot(a)
+                if s is False:
+                    return False
+                if s is not None:
+                    slots.append((i, -1, s))
+                    template[i] = None
+            elif isinstance(a, list | tuple) and any(isinstance(b, torch.Tensor) for b in a):
+                inner = list(a)
+                for j, b in enumerate(a):
+                    if isinstance(b, torch.Tensor):
+                        s = self._slot(b)
+                        if s is False:
+                            return False
+                        if s is not None:
+                            slots.append((i, j, s))
+                            inner[j] = None
+                template[i] = inner
+        for k, v in kwargs.items():
+            if isinstance(v, torch.Tensor):
+                s = self._slot(v)
+                if s is False:
+                    return False
+                if s is not None:
+                    kw_slots.append((k, s))
+                    kw_template[k] = None
+        many = isinstance(out, list | tuple)
+        outs = out if many else (out,)
+        if not all(isinstance(o, torch.Tensor) for o in outs):
+            return False
+        nested = tuple(sorted({i for i, j, _ in slots if j >= 0}))
+        first = len(self.sources)
+        self.steps.append((_OP, func._op, tuple(template), kw_template, tuple(slots), nested, tuple(kw_slots), many,
+                           first, func))
+        for o in outs:
+            self._source(o, len(self.sources))
+            self.sources.append(o)
+        if func in _VIEWS and slots and slots[0][:2] == (0, -1) and not many and _same_memory(args[0], out):
+            self.alias[first] = (slots[0][2], out.data_ptr() - args[0].data_ptr())
+        elif func is _EMPTY and out.is_cuda and not kwargs.get("pin_memory"):
+            self.empties[first] = out.untyped_storage().nbytes()
+        return True
+
+    def _where(self, t):
+        """(source, byte offset from its data pointer) of tensor t's memory; None for constant memory; False
+        where it is neither."""
+        s = self._slot(t)
+        if s is not False:
+            return None if s is None else (s, 0)
+        ptr = t.data_ptr()
+        for s, src in enumerate(self.sources):
+            lo, hi = _extent(src)
+            if lo <= ptr < hi or ptr == lo:
+                return s, ptr - lo
+        return None if _is_constant(t) else False
 
     def launch(self, compiled, direct, grid, values) -> None:
-        if threading.get_ident() != self.thread:
+        """The launch layer's report of a launch (``direct`` None: one it cannot launch directly)."""
+        if threading.get_ident() != self.thread or not self.ok:
             return
         if direct is None:
             self.ok = False
-        else:
-            self.launches.append((compiled, direct, tuple(grid), list(values)))
+            return
+        template, pointers, descriptors = list(values), [], []
+        for i, v in enumerate(values):
+            is_desc = type(v) in launch.DESCRIPTORS
+            if not (is_desc or isinstance(v, torch.Tensor)):
+                continue
+            where = self._where(v.base if is_desc else v)
+            if where is False:
+                self.ok = False
+                return
+            if where is None:
+                continue  # constant memory: kept as it is
+            if is_desc:
+                desc = object.__new__(type(v))
+                desc.__dict__.update(v.__dict__)
+                desc.base = None  # (the plan keeps no tensor alive)
+                descriptors.append((i, *where, desc))
+            else:
+                pointers.append((i, *where))
+            template[i] = None
+        self.launched = True
+        self.steps.append((_LAUNCH, compiled, direct, tuple(grid), tuple(template), tuple(pointers),
+                           tuple(descriptors)))
+
+    def plan(self, n_inputs: int, out):
+        """The recorded call's plan, or None where it cannot be replayed."""
+        if not (self.ok and self.launched):
+            return None
+        spans = sorted(_extent(t) for t in self.sources[:n_inputs] if t.numel())
+        if any(a[1] > b[0] for a, b in zip(spans, spans[1:], strict=False)):
+            return None  # two inputs share memory: a pointer would not say whose it is
+        outputs = self._output(out, n_inputs)
+        if outputs is False:
+            return None
+        return _lean(self.steps, len(self.sources), n_inputs, self.alias, self.empties, outputs)
+
+    def _output(self, o, n_inputs: int):
+        if o is None:
+            return None
+        if isinstance(o, tuple | list):
+            parts = [self._output(x, n_inputs) for x in o]
+            return False if any(p is False for p in parts) else tuple(parts)
+        if not isinstance(o, torch.Tensor):
+            return False
+        s = self._slot(o)
+        if s is None or s is False or (s >= n_inputs and o.requires_grad):
+            return False  # (an output from elsewhere, or an autograd graph that a replay would not build)
+        return s
+
+
+def _flat(spec) -> list:
+    if spec is None:
+        return []
+    if isinstance(spec, tuple):
+        return [s for part in spec for s in _flat(part)]
+    return [spec]
+
+
+def _lean(steps: list, n_sources: int, n_inputs: int, alias: dict, empties: dict, outputs) -> _Plan:
+    """The recorded steps with what a replay need not run taken out: a view op whose output only
+    kernels read (they get its address: the viewed source's plus a fixed offset), and a small
+    allocation that only kernels use (a slice of one allocation per replay, ``_ARENA_SLICE``)."""
+    needed = set(_flat(outputs))
+    kept = []
+    for step in reversed(steps):
+        if step[0] == _OP:
+            first = step[8]
+            if first in alias and first not in needed:
+                continue
+            if first in empties and first not in needed and empties[first] <= _ARENA_SLICE_MAX:
+                continue
+            needed.update(s for _, _, s in step[4])
+            needed.update(s for _, s in step[6])
+        kept.append(step)
+    kept.reverse()
+    arena, size = {}, 0
+    for s, nbytes in empties.items():
+        if s not in needed and nbytes <= _ARENA_SLICE_MAX:
+            arena[s] = size
+            size += -(-nbytes // _ARENA_ALIGN) * _ARENA_ALIGN
+
+    def where(s, off):  # (source or _ARENA, offset) that a replay holds
+        while s in alias and s not in needed:
+            s, extra = alias[s]
+            off += extra
+        if s in arena:
+            return _ARENA, arena[s] + off
+        return s, off
+
+    lean = []
+    for step in kept:
+        if step[0] == _LAUNCH:
+            _, compiled, direct, grid, template, pointers, descriptors = step
+            pointers = tuple((i, *where(s, off)) for i, s, off in pointers)
+            descriptors = tuple((i, *where(s, off), desc) for i, s, off, desc in descriptors)
+            g = (*grid, 1, 1)[:3]
+            step = (_LAUNCH, direct, g, template, pointers, descriptors)
+        lean.append(step)
+    return _Plan(lean, n_sources, n_inputs, size, outputs)
+
+
+class _Plan:
+    __slots__ = ("steps", "n_sources", "n_inputs", "arena", "outputs")
+
+    def __init__(self, steps, n_sources, n_inputs, arena, outputs):
+        self.steps, self.n_sources, self.n_inputs, self.arena, self.outputs = (steps, n_sources, n_inputs, arena,
+                                                                              outputs)
+
+    def replay(self, args, kwargs):
+        src = _tensors(args, kwargs)
+        src += [None] * (self.n_sources - self.n_inputs)
+        device = launch.current_device()
+        stream = launch.current_stream(device)
+        arena = base = None
+        if self.arena:  # (freed on return: stream-ordered, as the kernels that use it)
+            arena = torch.empty(self.arena, dtype=torch.uint8, device=torch.device("cuda", device))
+            base = arena.data_ptr()
+        for step in self.steps:
+            if step[0] == _OP:
+                _, op, template, kw, slots, nested, kw_slots, many, first, _ = step
+                a = list(template)
+                for i in nested:
+                    a[i] = list(a[i])
+                for i, j, s in slots:
+                    if j < 0:
+                        a[i] = src[s]
+                    else:
+                        a[i][j] = src[s]
+                if kw_slots:
+                    kw = dict(kw)
+                    for k, s in kw_slots:
+                        kw[k] = src[s]
+                out = op(*a, **kw)
+                if many:
+                    src[first:first + len(out)] = out
+                else:
+                    src[first] = out
+            else:
+                _, direct, grid, template, pointers, descriptors = step
+                values = list(template)
+                for i, s, off in pointers:
+                    values[i] = (base if s == _ARENA else src[s].data_ptr()) + off
+                for i, s, off, desc in descriptors:
+                    moved = object.__new__(type(desc))
+                    moved.__dict__.update(desc.__dict__)
+                    moved.base = _Address((base if s == _ARENA else src[s].data_ptr()) + off)
+                    values[i] = moved
+                direct(*grid, stream, None, None, None, values)
+        del arena
+        return _rebuild(self.outputs, src)
+
+
+def _rebuild(spec, src):
+    if spec is None:
+        return None
+    if isinstance(spec, tuple):
+        return tuple(_rebuild(s, src) for s in spec)
+    return src[spec]
 
 
 def _fact(a):
     if isinstance(a, torch.Tensor):
-        return a.shape, a.stride(), a.dtype, a.device, a.data_ptr() & 15
+        return a.shape, a.stride(), a.dtype, a.device, a.data_ptr() & 15, a.requires_grad
     return type(a), a
+
+
+def _autocast():
+    """CUDA's and the CPU's autocast state (dtypes where on), or None where both are off."""
+    cuda, cpu = torch.is_autocast_enabled("cuda"), torch.is_autocast_enabled("cpu")
+    if not (cuda or cpu):
+        return None
+    return (cuda and torch.get_autocast_dtype("cuda"), cpu and torch.get_autocast_dtype("cpu"))
 
 
 def _tensors(args, kwargs) -> list:
     return [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
 
 
-class _Plan:
-    __slots__ = ("allocs", "launches", "outputs")
-
-    def __init__(self, allocs, launches, outputs):
-        self.allocs, self.launches, self.outputs = allocs, launches, outputs
-
-    def replay(self, args, kwargs):
-        sources = _tensors(args, kwargs)
-        sources += [config.empty(shape, dtype=dtype, device=device) for shape, dtype, device in self.allocs]
-        ptrs = [t.data_ptr() for t in sources]
-        device = launch.current_device()
-        for compiled, direct, grid, template, pointers, descriptors in self.launches:
-            values = list(template)
-            for i, s, off in pointers:
-                values[i] = ptrs[s] + off
-            for i, s, off, desc in descriptors:
-                moved = object.__new__(type(desc))
-                moved.__dict__.update(desc.__dict__)
-                moved.base = _Address(ptrs[s] + off)
-                values[i] = moved
-            launch.run(compiled, grid, values, device, direct)
-        return _rebuild(self.outputs, sources)
-
-
-def _rebuild(spec, sources):
-    if spec is None:
-        return None
-    if spec[0] == "tuple":
-        return tuple(_rebuild(s, sources) for s in spec[1])
-    _, s, off, shape, stride = spec
-    src = sources[s]
-    if off == 0 and src.shape == shape and src.stride() == stride:
-        return src
-    return src.as_strided(shape, stride, src.storage_offset() + off // src.element_size())
-
-
-def _resolve(ptr: int, spans: list, bases: list):
-    """(source, offset from its data pointer) of the one source whose memory holds ``ptr``, or None."""
-    for s, (lo, hi) in enumerate(spans):
-        if lo <= ptr < hi:
-            return s, ptr - bases[s]
-    return None
-
-
-def _spec(o, spans: list, bases: list, dtypes: list):
-    """How to rebuild a recorded output (``_rebuild``), or False where it cannot be."""
-    if o is None:
-        return None
-    if isinstance(o, tuple | list):
-        parts = [_spec(x, spans, bases, dtypes) for x in o]
-        return False if any(p is False for p in parts) else ("tuple", parts)
-    if not isinstance(o, torch.Tensor) or o.numel() == 0:
-        return False
-    where = _resolve(o.data_ptr(), spans, bases)
-    if where is None or o.dtype != dtypes[where[0]]:
-        return False
-    return ("tensor", *where, o.shape, o.stride())
-
-
-def _record(rec: _Recorder, inputs: list, versions: list, out):
-    """The plan of a recorded call, or None where it cannot be replayed (the module docstring). It keeps
-    no tensor, and makes no reference cycle through one: a recorded call's tensors (autograd outputs among
-    them, and through their graph the gradient accumulators made on the stream of that time) must go when
-    their caller drops them, not at the next garbage collection."""
-    if not rec.ok or not rec.launches or any(t._version != v for t, v in zip(inputs, versions, strict=True)):
-        return None
-    if any(t._version != v for t, v in rec.allocs):
-        return None
-    sources = inputs + [t for t, _ in rec.allocs]
-    spans, bases, dtypes = [], [t.data_ptr() for t in sources], [t.dtype for t in sources]
-    for t in sources:
-        storage = t.untyped_storage()
-        spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
-    del sources
-    ordered = sorted(spans)
-    if any(a[1] > b[0] and a[0] != a[1] for a, b in zip(ordered, ordered[1:], strict=False)):
-        return None  # two sources share memory: a pointer would not say whose it is
-    launches = []
-    for compiled, direct, grid, values in rec.launches:
-        pointers, descriptors = [], []
-        for i, v in enumerate(values):
-            if isinstance(v, torch.Tensor) or type(v) in launch.DESCRIPTORS:
-                ptr = (v if isinstance(v, torch.Tensor) else v.base).data_ptr()
-                where = _resolve(ptr, spans, bases)
-                if where is None and any(lo <= ptr < hi for lo, hi in _CONSTANTS):
-                    continue  # kept as it is
-                if where is None:
-                    return None
-                if isinstance(v, torch.Tensor):
-                    pointers.append((i, *where))
-                else:
-                    desc = object.__new__(type(v))
-                    desc.__dict__.update(v.__dict__)
-                    desc.base = None  # (the plan keeps no tensor alive)
-                    descriptors.append((i, *where, desc))
-                values[i] = None
-        launches.append((compiled, direct, grid, tuple(values), tuple(pointers), tuple(descriptors)))
-    outputs = _spec(out, spans, bases, dtypes)
-    if outputs is False:
-        return None
-    allocs = [(t.shape, t.dtype, t.device) for t, _ in rec.allocs]
-    return _Plan(allocs, launches, outputs)
+def _record(fn, args, kwargs):
+    """(fn's output, its plan or None): fn run under a recorder that nothing keeps once this returns."""
+    inputs = _tensors(args, kwargs)
+    rec = settings.RECORDER = _Recorder(inputs)
+    try:
+        with rec:
+            out = fn(*args, **kwargs)
+    finally:
+        settings.RECORDER = None
+    plan = rec.plan(len(inputs), out)
+    rec.sources.clear()
+    rec.index.clear()
+    rec.views.clear()
+    return out, plan
 
 
 def planned(fn):
-    """Wrap the launcher ``fn`` with per-signature launch plans (the module docstring)."""
+    """Wrap ``fn`` (tensors and hashable values in, tensors, None and tuples of them out) with
+    per-signature launch plans (the module docstring)."""
     plans: dict = {}
 
     @functools.wraps(fn)
@@ -206,28 +410,25 @@ def planned(fn):
         opts = config.get_options()
         if not (opts.plans and opts.fast_launch) or settings.RECORDER is not None or config.is_interpreting():
             return fn(*args, **kwargs)
-        if launch.hooked():
+        if launch.hooked() or torch._C._len_torch_dispatch_stack():
             return fn(*args, **kwargs)
         try:
-            key = (opts, launch.current_device(), tuple(map(_fact, args)),
-                   tuple((k, _fact(v)) for k, v in kwargs.items()))
+            key = (opts, launch.current_device(), torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+                   _autocast(), tuple(map(_fact, args)), tuple((k, _fact(v)) for k, v in kwargs.items()))
             plan = plans.get(key)
         except TypeError:  # an argument that cannot key a plan
             return fn(*args, **kwargs)
         if plan is _REFUSED:
             return fn(*args, **kwargs)
         if plan is not None:
+            if key[4]:  # the recorded ops are autocast's casts and their results: no second pass through it
+                with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
+                    return plan.replay(args, kwargs)
             return plan.replay(args, kwargs)
-        inputs = _tensors(args, kwargs)
-        versions = [t._version for t in inputs]
-        rec = settings.RECORDER = _Recorder()
-        try:
-            out = fn(*args, **kwargs)
-        finally:
-            settings.RECORDER = None
+        out, plan = _record(fn, args, kwargs)
         if len(plans) >= _LIMIT:
             plans.clear()
-        plans[key] = _record(rec, inputs, versions, out) or _REFUSED
+        plans[key] = plan or _REFUSED
         return out
 
     call.plans = plans
@@ -235,7 +436,7 @@ def planned(fn):
 
 
 def plan_counts(fn) -> tuple[int, int]:
-    """(replayable, refused) signatures that the planned launcher ``fn`` holds (a test aid)."""
+    """(replayable, refused) signatures that the planned function ``fn`` holds (a test aid)."""
     held = list(fn.plans.values())
     return sum(p is not _REFUSED for p in held), sum(p is _REFUSED for p in held)
 

@@ -55,9 +55,10 @@ class Options:
       hooks on its experts, no aux loss, not NVFP4) runs as one autograd node, whose forward and backward
       call the ops' launchers directly (``moekit.block``); off, it composes the public ops, one node
       each. The kernels and their bits are the same; the fused node spends less host time per step.
-    - ``plans`` (``MOEKIT_PLANS``, on, with ``fast_launch``): the launchers of the block's kernels keep a
-      launch plan per call signature (``moekit.plans``): later calls allocate, move the recorded launches'
-      pointers to their tensors and launch, deciding nothing again. The kernels and their bits are the same.
+    - ``plans`` (``MOEKIT_PLANS``, on, with ``fast_launch``): the fused block step's forward and backward,
+      and the launchers of the block's kernels, keep a launch plan per call signature (``moekit.plans``):
+      later calls run the recorded torch ops and launch the recorded kernels with their pointers moved,
+      deciding nothing again. The kernels and their bits are the same.
     - ``poison`` (no variable; a test aid): every kernel output starts as NaN (-1 for integers), so an
       unwritten element shows.
     """
@@ -137,7 +138,7 @@ def options(**changes):
         _options = previous
 
 
-RECORDER = None  # moekit.plans' recording in progress (it sees every allocation below), or None
+RECORDER = None  # moekit.plans' recording in progress (the launch layer reports its launches to it), or None
 
 
 def empty(shape, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -145,18 +146,13 @@ def empty(shape, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     out = torch.empty(shape, dtype=dtype, device=device)
     if _options.poison:
         out.fill_(float("nan") if dtype.is_floating_point else -1)
-    if RECORDER is not None:
-        RECORDER.alloc(out)
     return out
 
 
 def workspace(shape, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Allocate scratch that a kernel fills before any kernel reads it (a tile table): ``empty`` without
-    the poison, and seen by a recording as ``empty`` is."""
-    out = torch.empty(shape, dtype=dtype, device=device)
-    if RECORDER is not None:
-        RECORDER.alloc(out)
-    return out
+    the poison."""
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def fused_dswiglu() -> bool:
