@@ -5,18 +5,20 @@ path, tile configs, grids, descriptors and arguments from its inputs' metadata, 
 and launches kernels; below T ~ 4096 those decisions are most of an eager block step's host time
 (docs/design.md, section 9). :func:`planned` wraps such a function:
 
-- **Key.** Per call: moekit's options, the current device, grad mode, inference mode and autocast (CUDA's, the CPU's),
-  and per argument its value, or for a tensor its shape, strides, dtype, device, address modulo 16 and
-  requires_grad (everything the launch layer and the launchers decide on follows from these).
-- **Record.** The first call of a key runs the function under a recorder that sees every torch op
-  below autograd (a ``TorchDispatchMode``: allocations, views, copies, GEMMs) and every launch of the
-  launch layer (the compiled kernel, its grid and its arguments in declaration order). Each tensor an
-  op or a launch takes must be an input, an earlier op's output, or memory registered with
-  :func:`constant`; each output must be one of those. The call is refused (the key then always runs
-  the function itself) where that fails, where a launch is one the launch layer cannot launch directly
-  (Triton's own path), where an op's output shape or value depends on data (``nonzero``, ``item``:
-  a host sync), where an output requires grad (autograd recorded above the ops), where two inputs share
-  memory, or where nothing was launched.
+- **Key.** Per call: moekit's options, the current device, grad mode, inference mode and autocast
+  (CUDA's, the CPU's), and per argument its value, or for a tensor its shape, strides, dtype, device,
+  address modulo 16 and requires_grad (everything the launch layer and the launchers decide on follows
+  from these).
+- **Record.** The first call of a key runs the function as written (a signature that never comes back
+  costs no recording); the second runs it under a recorder that sees every torch op below autograd (a
+  ``TorchDispatchMode``: allocations, views, copies, GEMMs) and every launch of the launch layer (the
+  compiled kernel, its grid and its arguments in declaration order). Each tensor an op or a launch
+  takes must be an input, an earlier op's output, or memory registered with :func:`constant`; each
+  output must be one of those. The call is refused (the key then always runs the function itself)
+  where that fails, where a launch is one the launch layer cannot launch directly (Triton's own path),
+  where an op's output shape or value depends on data (``nonzero``, ``item``: a host sync), where an
+  output requires grad (autograd recorded above the ops), where two inputs overlap, or where nothing
+  was launched.
 - **Replay.** Later calls of the key run the recorded ops on this call's tensors and launch the
   recorded kernels with each pointer moved (descriptors re-encoded only where their address is new:
   the launch layer's cache), and return the outputs. The ops and the kernels are the recorded ones on
@@ -40,7 +42,7 @@ from . import config, launch
 from .config import settings
 
 _LIMIT = 1024  # plans per function; past it they start afresh (a run whose shapes never repeat)
-_REFUSED = object()
+_REFUSED, _SEEN = object(), object()
 _CONSTANTS: list = []  # (start, end) of the tensors that ``constant`` registered: alive for good
 _UNREPLAYABLE = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
 _OP, _LAUNCH = 0, 1
@@ -418,16 +420,19 @@ def planned(fn):
             plan = plans.get(key)
         except TypeError:  # an argument that cannot key a plan
             return fn(*args, **kwargs)
+        if plan is None:  # first seen: run as written (a signature that never comes back costs no recording)
+            if len(plans) >= _LIMIT:
+                plans.clear()
+            plans[key] = _SEEN
+            return fn(*args, **kwargs)
         if plan is _REFUSED:
             return fn(*args, **kwargs)
-        if plan is not None:
+        if plan is not _SEEN:
             if key[4]:  # the recorded ops are autocast's casts and their results: no second pass through it
                 with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
                     return plan.replay(args, kwargs)
             return plan.replay(args, kwargs)
         out, plan = _record(fn, args, kwargs)
-        if len(plans) >= _LIMIT:
-            plans.clear()
         plans[key] = plan or _REFUSED
         return out
 
@@ -438,7 +443,7 @@ def planned(fn):
 def plan_counts(fn) -> tuple[int, int]:
     """(replayable, refused) signatures that the planned function ``fn`` holds (a test aid)."""
     held = list(fn.plans.values())
-    return sum(p is not _REFUSED for p in held), sum(p is _REFUSED for p in held)
+    return sum(p is not _REFUSED and p is not _SEEN for p in held), sum(p is _REFUSED for p in held)
 
 
 __all__ = ["constant", "plan_counts", "planned"]
