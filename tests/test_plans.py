@@ -1,6 +1,7 @@
 """Launch plans (``moekit.plans``): recording, refusal and replay with pointers moved, on the CPU with
 the launch layer stood in for; and on the GPU, the block step with plans against without, bit for bit."""
 
+import functools
 import gc
 import weakref
 
@@ -18,8 +19,10 @@ _LOG: list = []
 
 def _launch(grid, values):
     """A launch as the launch layer makes it: reported to a recording, then logged with its addresses."""
-    if settings.RECORDER is not None:
-        settings.RECORDER.launch("compiled", _direct, grid, values)
+    if settings.recorder() is not None:
+        settings.recorder().launch("compiled", _direct, grid, values)
+    else:
+        settings.note_launch()
     _LOG.append(("run", (*grid, 1, 1)[:3], [_address(v) for v in values]))
 
 
@@ -59,7 +62,7 @@ def _shifted(x, k: int):
 def test_replay_moves_every_pointer_and_rebuilds_the_views(stand_in):
     x1, x2 = torch.randn(5, 4), torch.randn(5, 4)
     _shifted(x1, 7)  # first seen: run as written, nothing recorded
-    assert _LOG[-1][0] == "run" and plan_counts(_shifted) == (0, 0) and len(_shifted.plans) == 1
+    assert _LOG[-1][0] == "run" and plan_counts(_shifted) == (0, 0) and len(_shifted.seen) == 1
     a1, _, o1 = _shifted(x1, 7)  # seen again: recorded
     assert _LOG[-1] == ("run", (5, 7, 1), [x1.data_ptr() + 4, o1.data_ptr(), 5, 7])
     assert plan_counts(_shifted) == (1, 0)
@@ -136,8 +139,8 @@ def test_what_cannot_be_replayed_runs_the_function_itself(stand_in, how):
         out = config.empty((8,), dtype=x.dtype, device=x.device)
         if how == "data-dependent shape":
             out = out[: int((x > 0).nonzero().shape[0] >= 0) * 8]
-        if how == "launch not direct" and settings.RECORDER is not None:  # (as the launch layer reports it)
-            settings.RECORDER.launch(None, None, (1,), ())
+        if how == "launch not direct" and settings.recorder() is not None:  # (as the launch layer reports it)
+            settings.recorder().launch(None, None, (1,), ())
         if how != "no launch":
             _launch((1,), [x, _FROM_ELSEWHERE if how == "tensor from elsewhere" else y, out])
         return _Custom.apply(x) if how == "output needs autograd" else out
@@ -151,6 +154,95 @@ def test_what_cannot_be_replayed_runs_the_function_itself(stand_in, how):
         launcher(x, y)
         assert not _LOG or _LOG[-1][0] == "run"
     assert plan_counts(launcher) == (0, 1)
+
+
+@pytest.mark.parametrize("how", ["no_grad inside", "detach returned"])
+def test_grad_mode_inside_the_function_is_not_replayed_wrong(stand_in, how):
+    """A replay runs every op in the call's grad mode, so a function that switches it inside, or returns a
+    ``detach`` (folded into its input on record), is refused."""
+    @planned
+    def launcher(x):
+        out = config.empty((8,), dtype=x.dtype, device=x.device)
+        _launch((1,), [x, out])
+        if how == "no_grad inside":
+            with torch.no_grad():
+                return out, x * 3
+        return out, x.detach()
+
+    x = torch.randn(8, requires_grad=True)
+    with torch.set_grad_enabled(how == "no_grad inside"):
+        for _ in range(3):
+            _, y = launcher(x)
+            assert not y.requires_grad and y.grad_fn is None
+    assert plan_counts(launcher) == (0, 1)
+
+
+def test_a_launch_from_another_thread_during_a_recording_records_again(stand_in):
+    """The recorder is the recording thread's: a launch another thread makes meanwhile is not its own, and
+    the recording is not kept (it may have missed one of the function's launches); the next call records."""
+    import threading
+
+    foreign = [True]
+
+    @planned
+    def launcher(x):
+        out = config.empty((8,), dtype=x.dtype, device=x.device)
+        _launch((1,), [x, out])
+        if foreign[0]:
+            t = threading.Thread(target=_launch, args=((2,), [5]))
+            t.start()
+            t.join()
+        _launch((3,), [out])
+        return out
+
+    x = torch.randn(8)
+    launcher(x)
+    launcher(x)  # recorded, with a launch from another thread in the middle: not kept
+    assert plan_counts(launcher) == (0, 0) and [e[1][0] for e in _LOG[-3:]] == [1, 2, 3]
+    foreign[0] = False
+    launcher(x)
+    assert plan_counts(launcher) == (1, 0)
+    _LOG.clear()
+    out = launcher(x)
+    assert _LOG == [("replay", (1, 1, 1), [x.data_ptr(), out.data_ptr()]), ("replay", (3, 1, 1), [out.data_ptr()])]
+
+
+def test_a_replay_drops_each_intermediate_after_its_last_use(stand_in):
+    """Memory goes where it went in the function: a temporary the first kernel used is gone by the second
+    launch, not held to the end of the replay."""
+    @planned
+    def launcher(x):
+        tmp = x * 2  # a temporary: read by the first kernel only
+        out = config.empty((8,), dtype=x.dtype, device=x.device)
+        _launch((1,), [tmp, out])
+        _launch((2,), [out])
+        return out
+
+    x = torch.randn(8)
+    launcher(x)
+    launcher(x)
+    (plan,) = launcher.plans.values()
+    alive, at_second = [], []
+
+    def watched(*a, op):
+        t = op(*a)
+        alive.append(weakref.ref(t))
+        return t
+
+    def second(*a, direct):
+        at_second.append(alive[-1]() is None)
+        return direct(*a)
+
+    steps = []
+    for step in plan.steps:  # the temporary's op and the second launch, watched
+        if step[0] == plans._OP and str(step[9]) == "aten.mul.Tensor":
+            step = (step[0], functools.partial(watched, op=step[1]), *step[2:])
+        elif step[0] == plans._LAUNCH and step[2][0] == 2:
+            step = (step[0], functools.partial(second, direct=step[1]), *step[2:])
+        steps.append(step)
+    plan.steps = steps
+    launcher(x)
+    assert len(alive) == 1 and at_second == [True]  # gone before the second launch
 
 
 def test_a_custom_op_in_a_recording_is_one_direct_call(stand_in):
@@ -288,6 +380,22 @@ def test_plans_stay_off_under_the_interpreter(monkeypatch):
     _shifted(torch.randn(3, 4), 11)
     assert sum(plan_counts(_shifted)) == n
     assert plans.planned  # (the module's public surface)
+
+
+@pytest.mark.gpu
+def test_a_copy_to_the_host_is_refused(stand_in):
+    """Values read on the host could steer the function: a recording with a device-to-host copy is
+    refused (a zero-byte scratch buffer beside it is no arena slice)."""
+    @planned
+    def launcher(x):
+        scratch = torch.empty(0, device=x.device)
+        _launch((1,), [x, scratch])
+        return x.cpu()  # (no item(): only the copy to the host refuses it)
+
+    x = torch.randn(8, device="cuda")
+    for _ in range(3):
+        launcher(x)
+    assert plan_counts(launcher) == (0, 1)
 
 
 @pytest.mark.gpu

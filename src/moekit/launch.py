@@ -149,7 +149,9 @@ class Kernel:
                 tuple([_desc_fact(values[i]) for i in layout.descriptors]))
 
     def _launch(self, grid, args, kwargs):
-        recorder = _settings.RECORDER
+        recorder = _settings.recorder()
+        if recorder is None:
+            _settings.note_launch()
         if not config.get_options().fast_launch:
             if recorder is not None:
                 recorder.launch(None, None, grid, ())  # (a launch it cannot replay)

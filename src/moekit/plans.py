@@ -6,34 +6,38 @@ and launches kernels; below T ~ 4096 those decisions are most of an eager block 
 (docs/design.md, section 9). :func:`planned` wraps such a function:
 
 - **Key.** Per call: moekit's options, the current device, grad mode, inference mode and autocast
-  (CUDA's, the CPU's), and per argument its value, or for a tensor its shape, strides, dtype, device,
-  address modulo 16 and requires_grad (everything the launch layer and the launchers decide on follows
-  from these).
+  (CUDA's, the CPU's), and per argument its value, or for a tensor its type, shape, strides, dtype,
+  device, address modulo 16 and requires_grad (everything the launch layer and the launchers decide on
+  follows from these: a planned function reads no tensor's values on the host).
 - **Record.** The first call of a key runs the function as written (a signature that never comes back
-  costs no recording); the second runs it under a recorder that sees every torch op below autograd (a
-  ``TorchDispatchMode``: allocations, views, copies, GEMMs) and every launch of the launch layer (the
-  compiled kernel, its grid and its arguments in declaration order). Each tensor an op or a launch
-  takes must be an input, an earlier op's output, or memory registered with :func:`constant`; each
-  output must be one of those. The call is refused (the key then always runs the function itself)
+  costs no recording); the second runs it under this thread's recorder, which sees every torch op below
+  autograd (a ``TorchDispatchMode``: allocations, views, copies, GEMMs) and every launch of the launch
+  layer (the compiled kernel, its grid and its arguments in declaration order). Each tensor an op or a
+  launch takes must be an input, an earlier op's output, or memory registered with :func:`constant`;
+  each output must be one of those. The call is refused (the key then always runs the function itself)
   where that fails, where a launch is one the launch layer cannot launch directly (Triton's own path),
-  where an op's output shape or value depends on data (``nonzero``, ``item``: a host sync), where an
-  output requires grad (autograd recorded above the ops), where two inputs overlap, or where nothing
-  was launched.
+  where an op's output shape or value depends on data (``nonzero``, ``item``) or copies to the host,
+  where an op runs under another grad mode than the call, where an output requires grad (autograd
+  recorded above the ops) or is a ``detach``, where two inputs overlap, or where nothing was launched.
+  Where another thread launched during the recording (which it may have missed), the key records again
+  on its next call.
 - **Replay.** Later calls of the key run the recorded ops on this call's tensors and launch the
   recorded kernels with each pointer moved (descriptors re-encoded only where their address is new:
   the launch layer's cache), and return the outputs. The ops and the kernels are the recorded ones on
-  the same values, so the bits are the function's; the memory is allocated as the function would.
+  the same values, so the bits are the function's. A view that only kernels read is not rebuilt, small
+  kernel-only scratch comes from one allocation, and every other intermediate is dropped after its last
+  use, where the function dropped it.
 
 Plans run with the ``plans`` and ``fast_launch`` options on, off Triton's interpreter, while no launch
-hook (a profiler) and no other dispatch mode is set, and never in a recording: a planned function
-called while another one records runs itself, and the outer recording sees its work. A recording keeps
-no tensor once it is done (the plan holds only registered constants).
+hook (a profiler), dispatch mode or function mode is set, and never in a recording: a planned function
+called while another one records runs itself, and the outer recording sees its work. A recording holds
+its tensors weakly and keeps none once it is done (the plan holds only registered constants).
 """
 
 from __future__ import annotations
 
 import functools
-import threading
+import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -42,7 +46,7 @@ from . import config, launch
 from .config import settings
 
 _LIMIT = 1024  # plans per function; past it they start afresh (a run whose shapes never repeat)
-_REFUSED, _SEEN = object(), object()
+_REFUSED, _RETRY = object(), object()
 _CONSTANTS: list = []  # (start, end) of the tensors that ``constant`` registered: alive for good
 _UNREPLAYABLE = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
 _OP, _LAUNCH = 0, 1
@@ -52,8 +56,7 @@ _ARENA_SLICE_MAX = 1 << 20  # bytes: larger kernel-only allocations keep their o
 _ARENA_ALIGN = 512  # bytes, as the caching allocator aligns
 _aten = torch.ops.aten
 _VIEWS = {_aten.t.default, _aten.transpose.int, _aten.permute.default, _aten.view.default, _aten.select.int,
-          _aten.slice.Tensor, _aten.as_strided.default, _aten.unsqueeze.default, _aten.squeeze.dim,
-          _aten.expand.default, _aten.alias.default}
+          _aten.slice.Tensor, _aten.unsqueeze.default, _aten.squeeze.dim, _aten.expand.default, _aten.alias.default}
 
 
 def constant(t: torch.Tensor) -> torch.Tensor:
@@ -101,9 +104,9 @@ class _Recorder(TorchDispatchMode):
 
     def __init__(self, inputs: list):
         super().__init__()
-        self.thread = threading.get_ident()
-        self.sources = list(inputs)
-        self.index, self.views = {}, {}
+        self.grad = torch.is_grad_enabled()
+        self.sources = [weakref.ref(t) for t in inputs]  # (weak: a tensor goes when the function drops it)
+        self.index, self.refs, self.views, self.detached = {}, {}, {}, set()
         for i in reversed(range(len(inputs))):
             self._source(inputs[i], i)
         self.steps: list = []
@@ -123,27 +126,30 @@ class _Recorder(TorchDispatchMode):
                 self.ok = False
             elif s is not None:
                 self._source(out, s)
+                self.detached.add(id(out))  # (not an output: a replay would hand back the tensor itself)
             return out
         self.ok = self._op(func, args, kwargs, out)
         return out
 
     def _source(self, t: torch.Tensor, s: int) -> None:
         self.index[id(t)] = s
-        self.views.setdefault((t.data_ptr(), t.shape, t.stride(), t.dtype), s)
+        self.refs[id(t)] = weakref.ref(t)
+        self.views[(t.data_ptr(), t.shape, t.stride(), t.dtype)] = s
 
     def _slot(self, t):
-        """t's source index (itself, or the same view of the same memory), None for registered constant
+        """t's source index (itself, or the same view of the same live memory), None for registered constant
         memory (kept as it is), False for neither."""
         s = self.index.get(id(t))
-        if s is None:
-            s = self.views.get((t.data_ptr(), t.shape, t.stride(), t.dtype))
-        if s is not None:
+        if s is not None and self.refs[id(t)]() is t:
+            return s
+        s = self.views.get((t.data_ptr(), t.shape, t.stride(), t.dtype))
+        if s is not None and self.sources[s]() is not None:
             return s
         return None if _is_constant(t) else False
 
     def _op(self, func, args, kwargs, out) -> bool:
-        if any(tag in func.tags for tag in _UNREPLAYABLE):
-            return False
+        if any(tag in func.tags for tag in _UNREPLAYABLE) or torch.is_grad_enabled() != self.grad:
+            return False  # (data read on the host; an op under another grad mode than the call's)
         template, slots, kw_template, kw_slots = list(args), [], dict(kwargs), []
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
@@ -176,16 +182,19 @@ class _Recorder(TorchDispatchMode):
         outs = out if many else (out,)
         if not all(isinstance(o, torch.Tensor) for o in outs):
             return False
+        if any(o.device.type == "cpu" for o in outs) and any(
+                isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in (*args, *kwargs.values())):
+            return False  # a copy to the host: its values could steer the function
         nested = tuple(sorted({i for i, j, _ in slots if j >= 0}))
         first = len(self.sources)
         self.steps.append((_OP, func._op, tuple(template), kw_template, tuple(slots), nested, tuple(kw_slots), many,
-                           first, func))
+                           first, func, len(outs)))
         for o in outs:
             self._source(o, len(self.sources))
-            self.sources.append(o)
+            self.sources.append(weakref.ref(o))
         if func in _VIEWS and slots and slots[0][:2] == (0, -1) and not many and _same_memory(args[0], out):
             self.alias[first] = (slots[0][2], out.data_ptr() - args[0].data_ptr())
-        elif func is _EMPTY and out.is_cuda and not kwargs.get("pin_memory"):
+        elif func is _EMPTY and out.is_cuda and not kwargs.get("pin_memory") and out.untyped_storage().nbytes():
             self.empties[first] = out.untyped_storage().nbytes()
         return True
 
@@ -196,7 +205,10 @@ class _Recorder(TorchDispatchMode):
         if s is not False:
             return None if s is None else (s, 0)
         ptr = t.data_ptr()
-        for s, src in enumerate(self.sources):
+        for s, ref in enumerate(self.sources):
+            src = ref()
+            if src is None:
+                continue
             lo, hi = _extent(src)
             if lo <= ptr < hi or ptr == lo:
                 return s, ptr - lo
@@ -204,7 +216,7 @@ class _Recorder(TorchDispatchMode):
 
     def launch(self, compiled, direct, grid, values) -> None:
         """The launch layer's report of a launch (``direct`` None: one it cannot launch directly)."""
-        if threading.get_ident() != self.thread or not self.ok:
+        if not self.ok:
             return
         if direct is None:
             self.ok = False
@@ -236,7 +248,7 @@ class _Recorder(TorchDispatchMode):
         """The recorded call's plan, or None where it cannot be replayed."""
         if not (self.ok and self.launched):
             return None
-        spans = sorted(_extent(t) for t in self.sources[:n_inputs] if t.numel())
+        spans = sorted(_extent(t) for t in (ref() for ref in self.sources[:n_inputs]) if t.numel())
         if any(a[1] > b[0] for a, b in zip(spans, spans[1:], strict=False)):
             return None  # two inputs share memory: a pointer would not say whose it is
         outputs = self._output(out, n_inputs)
@@ -250,7 +262,7 @@ class _Recorder(TorchDispatchMode):
         if isinstance(o, tuple | list):
             parts = [self._output(x, n_inputs) for x in o]
             return False if any(p is False for p in parts) else tuple(parts)
-        if not isinstance(o, torch.Tensor):
+        if not isinstance(o, torch.Tensor) or id(o) in self.detached:
             return False
         s = self._slot(o)
         if s is None or s is False or (s >= n_inputs and o.requires_grad):
@@ -269,7 +281,9 @@ def _flat(spec) -> list:
 def _lean(steps: list, n_sources: int, n_inputs: int, alias: dict, empties: dict, outputs) -> _Plan:
     """The recorded steps with what a replay need not run taken out: a view op whose output only
     kernels read (they get its address: the viewed source's plus a fixed offset), and a small
-    allocation that only kernels use (a slice of one allocation per replay, ``_ARENA_SLICE``)."""
+    allocation that only kernels use (a slice of one allocation per replay, ``_ARENA_SLICE_MAX``). Each
+    step carries the sources a replay drops after it (their last use), so memory goes when it went in
+    the function."""
     needed = set(_flat(outputs))
     kept = []
     for step in reversed(steps):
@@ -297,15 +311,26 @@ def _lean(steps: list, n_sources: int, n_inputs: int, alias: dict, empties: dict
             return _ARENA, arena[s] + off
         return s, off
 
-    lean = []
-    for step in kept:
+    lean, last = [], {}
+    for k, step in enumerate(kept):
         if step[0] == _LAUNCH:
             _, compiled, direct, grid, template, pointers, descriptors = step
             pointers = tuple((i, *where(s, off)) for i, s, off in pointers)
             descriptors = tuple((i, *where(s, off), desc) for i, s, off, desc in descriptors)
-            g = (*grid, 1, 1)[:3]
-            step = (_LAUNCH, direct, g, template, pointers, descriptors)
+            step = (_LAUNCH, direct, (*grid, 1, 1)[:3], template, pointers, descriptors)
+            used = [s for _, s, _ in pointers] + [d[1] for d in descriptors]
+        else:
+            used = [s for _, _, s in step[4]] + [s for _, s in step[6]]
+            used += range(step[8], step[8] + step[10])
+        for s in used:
+            last[s] = k
         lean.append(step)
+    keep = set(_flat(outputs)) | set(range(n_inputs)) | {_ARENA}
+    drops: dict = {}
+    for s, k in last.items():
+        if s not in keep:
+            drops.setdefault(k, []).append(s)
+    lean = [(*step, tuple(drops.get(k, ()))) for k, step in enumerate(lean)]
     return _Plan(lean, n_sources, n_inputs, size, outputs)
 
 
@@ -327,7 +352,7 @@ class _Plan:
             base = arena.data_ptr()
         for step in self.steps:
             if step[0] == _OP:
-                _, op, template, kw, slots, nested, kw_slots, many, first, _ = step
+                _, op, template, kw, slots, nested, kw_slots, many, first, _, _, drops = step
                 a = list(template)
                 for i in nested:
                     a[i] = list(a[i])
@@ -346,7 +371,7 @@ class _Plan:
                 else:
                     src[first] = out
             else:
-                _, direct, grid, template, pointers, descriptors = step
+                _, direct, grid, template, pointers, descriptors, drops = step
                 values = list(template)
                 for i, s, off in pointers:
                     values[i] = (base if s == _ARENA else src[s].data_ptr()) + off
@@ -356,6 +381,8 @@ class _Plan:
                     moved.base = _Address((base if s == _ARENA else src[s].data_ptr()) + off)
                     values[i] = moved
                 direct(*grid, stream, None, None, None, values)
+            for s in drops:  # (a source's last use: freed where the function freed it, stream-ordered)
+                src[s] = None
         del arena
         return _rebuild(self.outputs, src)
 
@@ -370,7 +397,7 @@ def _rebuild(spec, src):
 
 def _fact(a):
     if isinstance(a, torch.Tensor):
-        return a.shape, a.stride(), a.dtype, a.device, a.data_ptr() & 15, a.requires_grad
+        return type(a), a.shape, a.stride(), a.dtype, a.device, a.data_ptr() & 15, a.requires_grad
     return type(a), a
 
 
@@ -387,32 +414,36 @@ def _tensors(args, kwargs) -> list:
 
 
 def _record(fn, args, kwargs):
-    """(fn's output, its plan or None): fn run under a recorder that nothing keeps once this returns."""
+    """(fn's output, its plan, None where it cannot be replayed, or ``_RETRY`` where a launch on another
+    thread fell within the recording, which it may have missed): fn run under this thread's recorder, which
+    nothing keeps once this returns."""
     inputs = _tensors(args, kwargs)
-    rec = settings.RECORDER = _Recorder(inputs)
+    rec = _Recorder(inputs)
+    foreign = settings.FOREIGN
+    settings.set_recorder(rec)
     try:
         with rec:
             out = fn(*args, **kwargs)
     finally:
-        settings.RECORDER = None
-    plan = rec.plan(len(inputs), out)
-    rec.sources.clear()
-    rec.index.clear()
-    rec.views.clear()
+        settings.set_recorder(None)
+    plan = _RETRY if settings.FOREIGN != foreign else rec.plan(len(inputs), out)
+    for held in (rec.sources, rec.index, rec.refs, rec.views, rec.detached, rec.steps):
+        held.clear()
     return out, plan
 
 
 def planned(fn):
-    """Wrap ``fn`` (tensors and hashable values in, tensors, None and tuples of them out) with
-    per-signature launch plans (the module docstring)."""
+    """Wrap ``fn`` (tensors and hashable values in, tensors, None and tuples of them out; no tensor values
+    read on the host) with per-signature launch plans (the module docstring)."""
     plans: dict = {}
+    seen: set = set()  # signatures run once, recorded when they come back
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
         opts = config.get_options()
-        if not (opts.plans and opts.fast_launch) or settings.RECORDER is not None or config.is_interpreting():
+        if not (opts.plans and opts.fast_launch) or settings.recorder() is not None or config.is_interpreting():
             return fn(*args, **kwargs)
-        if launch.hooked() or torch._C._len_torch_dispatch_stack():
+        if launch.hooked() or torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
             return fn(*args, **kwargs)
         try:
             key = (opts, launch.current_device(), torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
@@ -420,30 +451,34 @@ def planned(fn):
             plan = plans.get(key)
         except TypeError:  # an argument that cannot key a plan
             return fn(*args, **kwargs)
-        if plan is None:  # first seen: run as written (a signature that never comes back costs no recording)
-            if len(plans) >= _LIMIT:
-                plans.clear()
-            plans[key] = _SEEN
-            return fn(*args, **kwargs)
-        if plan is _REFUSED:
-            return fn(*args, **kwargs)
-        if plan is not _SEEN:
+        if plan is not None:
+            if plan is _REFUSED:
+                return fn(*args, **kwargs)
             if key[4]:  # the recorded ops are autocast's casts and their results: no second pass through it
                 with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
                     return plan.replay(args, kwargs)
             return plan.replay(args, kwargs)
+        if key not in seen:  # first seen: run as written (a signature that never comes back costs no recording)
+            if len(seen) >= _LIMIT:
+                seen.clear()
+            seen.add(key)
+            return fn(*args, **kwargs)
         out, plan = _record(fn, args, kwargs)
-        plans[key] = plan or _REFUSED
+        if plan is not _RETRY:
+            seen.discard(key)
+            if len(plans) >= _LIMIT:
+                plans.clear()
+            plans[key] = plan or _REFUSED
         return out
 
-    call.plans = plans
+    call.plans, call.seen = plans, seen
     return call
 
 
 def plan_counts(fn) -> tuple[int, int]:
     """(replayable, refused) signatures that the planned function ``fn`` holds (a test aid)."""
     held = list(fn.plans.values())
-    return sum(p is not _REFUSED and p is not _SEEN for p in held), sum(p is _REFUSED for p in held)
+    return sum(p is not _REFUSED for p in held), sum(p is _REFUSED for p in held)
 
 
 __all__ = ["constant", "plan_counts", "planned"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -138,7 +139,29 @@ def options(**changes):
         _options = previous
 
 
-RECORDER = None  # moekit.plans' recording in progress (the launch layer reports its launches to it), or None
+_RECORDING = threading.local()  # moekit.plans' recording in progress on this thread, as ``recorder``
+ACTIVE = 0  # recordings in progress, on every thread
+FOREIGN = 0  # launches made on a thread that was not recording while a recording was in progress
+
+
+def recorder():
+    """``moekit.plans``' recording in progress on this thread (the launch layer reports its launches to it),
+    or None."""
+    return getattr(_RECORDING, "recorder", None)
+
+
+def set_recorder(rec) -> None:
+    """Make ``rec`` (or None) this thread's recording, counted in ``ACTIVE``."""
+    global ACTIVE
+    ACTIVE += (rec is not None) - (recorder() is not None)
+    _RECORDING.recorder = rec
+
+
+def note_launch() -> None:
+    """The launch layer's note of a launch that no recording on its thread sees."""
+    global FOREIGN
+    if ACTIVE:
+        FOREIGN += 1
 
 
 def empty(shape, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
