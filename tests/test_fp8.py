@@ -117,6 +117,7 @@ WEIGHTS = [  # (E, A, B): why
     ((1, 128, 128), "one block"),
     ((3, 200, 130), "tails along both dims"),
     ((2, 1, 300), "one row"),
+    ((2, 256, 384), "whole blocks both ways, no padding (the transposed view stays strided)"),
 ]
 
 
@@ -133,6 +134,7 @@ def test_quantize_weights(device, pow2, shape):
     _within_rounding(fp8.dequantize_weights(values, scales), w, full)
     # blocks are symmetric: the transposed weights quantize to the transposed values and scales
     values_t, scales_t = fp8.quantize_weights(w.mT, pow2_scales=pow2)
+    assert_bits_equal((values_t, scales_t), fp8.quantize_weights_ref(w.mT, pow2_scales=pow2))  # (a strided view)
     assert values_t.is_contiguous()
     assert torch.equal(values_t.view(torch.uint8), values.view(torch.uint8).mT)
     assert torch.equal(scales_t, scales.mT)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from test_fp8 import BF16, DEVICES, _device
 
+import moekit
 from moekit import fp8
 from moekit.fp8.train import FP8GroupedLinearFn, TrainingRecipe
 from moekit.grouped_gemm import grouped_mm
@@ -65,20 +66,24 @@ def test_linear_runs_the_blockwise_ops_its_recipe_names(device, recipe):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("config", ["plain", "gpt-oss"])
+@pytest.mark.parametrize("config", ["plain", "gpt-oss", "plain, pure-PyTorch reference"])
 def test_fp8_layer_against_the_bf16_layer(device, config):
+    """(The reference variant is what a CPU without TRITON_INTERPRET runs: its backward quantizes the
+    transposed weight view, which the reference once refused to view.)"""
     dev = _device(device)
-    kw = PLAIN if config == "plain" else {}
+    kw = PLAIN if config.startswith("plain") else {}
+    d, f = (256, 128) if config.endswith("reference") else (128, 64)  # (two 128-blocks each way)
     torch.manual_seed(0)
-    ref = MoE(128, 64, 4, 2, device=dev, dtype=BF16, **kw)
-    q = MoE(128, 64, 4, 2, device=dev, dtype=BF16, fp8=True, **kw)
+    ref = MoE(d, f, 4, 2, device=dev, dtype=BF16, **kw)
+    q = MoE(d, f, 4, 2, device=dev, dtype=BF16, fp8=True, **kw)
     q.load_state_dict(ref.state_dict())
-    x = torch.randn(50, 128, device=dev, dtype=BF16, requires_grad=True)
+    x = torch.randn(50, d, device=dev, dtype=BF16, requires_grad=True)
     dy = torch.randn_like(x)
     got = {}
     for name, m in (("bf16", ref), ("fp8", q)):
-        out = m(x)
-        got[name] = (out, *torch.autograd.grad(out, [x, *m.parameters()], dy))
+        with moekit.options(reference=config.endswith("reference")):
+            out = m(x)
+            got[name] = (out, *torch.autograd.grad(out, [x, *m.parameters()], dy))
     assert _rel(got["fp8"][0], got["bf16"][0]) < OUT_BOUND
     for a, b in zip(got["fp8"][1:], got["bf16"][1:], strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape and _rel(a, b) < GRAD_BOUND

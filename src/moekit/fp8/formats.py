@@ -117,7 +117,7 @@ def quantize_ref(x: torch.Tensor, *, pow2_scales: bool = False) -> tuple[torch.T
     _check_input(x, 2, "fp8.quantize")
     m, k = x.shape
     kp = groups_along(k) * GROUP
-    g = torch.nn.functional.pad(x.float(), (0, kp - k)).view(m, kp // GROUP, GROUP)
+    g = torch.nn.functional.pad(x.float(), (0, kp - k)).contiguous().view(m, kp // GROUP, GROUP)  # (any strides)
     values, scales = _quantize_groups(g, (2,), pow2_scales)
     return values.view(m, kp)[:, :k].contiguous(), scales.view(m, kp // GROUP)
 
@@ -127,7 +127,7 @@ def quantize_weights_ref(w: torch.Tensor, *, pow2_scales: bool = False) -> tuple
     _check_input(w, 3, "fp8.quantize_weights")
     e, a, b = w.shape
     ga, gb = groups_along(a), groups_along(b)
-    g = torch.nn.functional.pad(w.float(), (0, gb * GROUP - b, 0, ga * GROUP - a))
+    g = torch.nn.functional.pad(w.float(), (0, gb * GROUP - b, 0, ga * GROUP - a)).contiguous()  # (any strides)
     values, scales = _quantize_groups(g.view(e, ga, GROUP, gb, GROUP), (2, 4), pow2_scales)
     return values.view(e, ga * GROUP, gb * GROUP)[:, :a, :b].contiguous(), scales.view(e, ga, gb)
 
