@@ -60,3 +60,17 @@ def test_balanced_offs():
     offs = balanced_offs(1000, 3, "cpu")
     assert offs.dtype == torch.int32 and offs.tolist() == [333, 667, 1000]
     assert balanced_offs(7, 7, "cpu").tolist() == list(range(1, 8))
+
+
+def test_precision_table_on_the_reference(tmp_path):
+    """``--only precision``: bf16, FP8 and NVFP4 experts on one block's weights and tokens, each output
+    against bf16's (on a CPU: the reference path, no ratios, no memory)."""
+    if torch.cuda.is_available():
+        pytest.skip("describes a CPU-only machine")
+    from moekit.bench import MoEShape, precision
+
+    with moekit.options(reference=True):
+        row = precision.run_shape(MoEShape("tiny", 128, 64, 4, 2, tokens=64), "cpu")
+    assert row["bf16"]["err"] == 0 and 0 < row["fp8"]["err"] < 0.15 and 0 < row["nvfp4"]["err"] < 0.4
+    text = precision.table([row])
+    assert all(f"| tiny | 64 | {p} |" in text for p in precision.PRECISIONS) and "x |" not in text

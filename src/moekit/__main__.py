@@ -5,8 +5,10 @@ a dense matmul of the same FLOPs and, with ``--sonicmoe``, SonicMoE; (1b) the bl
 (T = 1k-16k: eager, host, CUDA-graph and torch.compile steps against the torchtitan-style block's eager
 step, ``bench/sweep.py``); (2) the fused gpt-oss expert MLP
 against the torchtitan-style experts; (3) the grouped GEMM against torch._grouped_mm and a dense
-matmul. On a CPU, the same tables for a small configuration through the pure-PyTorch reference,
-without speed ratios. Prints the tables and writes them, with plots, to ``--out`` (default bench/out).
+matmul; and with ``--only precision`` (not in the default run), the block's step with bf16, FP8 and NVFP4
+experts (``bench/precision.py``). On a CPU, the same tables for a small configuration through the
+pure-PyTorch reference, without speed ratios. Prints the tables and writes them, with plots, to
+``--out`` (default bench/out).
 """
 
 from __future__ import annotations
@@ -91,6 +93,12 @@ def _bench(args) -> None:
         print(sweep.main(pick(BLOCK_SHAPES, list(BLOCK_SHAPES)), tokens, compile_modes=modes, out_md=md, out_png=png,
                          progress=_progress("sweep")), "\n")
         written += [md] + ([png] if os.path.exists(png) else [])
+    if args.only == "precision":
+        from .bench import precision
+
+        md = os.path.join(args.out, "precision.md")
+        print(precision.main(pick(BLOCK_SHAPES, list(BLOCK_SHAPES)), out_md=md, progress=_progress("precision")))
+        written.append(md)
     if args.only in (None, "grouped_mm"):
         md = os.path.join(args.out, "grouped_mm.md")
         png = os.path.join(args.out, "grouped_mm.png")
@@ -136,7 +144,8 @@ def main(argv=None) -> None:
     bench.add_argument("--tokens", type=int, help="tokens per rank T (default: each shape's own)")
     bench.add_argument("--out", default=os.path.join("bench", "out"),
                        help="folder for the tables (and, on a GPU, their plots)")
-    bench.add_argument("--only", choices=["moe", "sweep", "experts", "grouped_mm"], help="run one of the tables")
+    bench.add_argument("--only", choices=["moe", "sweep", "experts", "grouped_mm", "precision"],
+                       help="run one of the tables (precision: bf16, FP8 and NVFP4 experts; only when named)")
     bench.add_argument("--sweep-tokens", help="the token-count sweep's T values, comma-separated "
                        "(default 1024,2048,4096,8192,16384; GPU only)")
     bench.add_argument("--no-compile", action="store_true",
