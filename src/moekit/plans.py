@@ -147,37 +147,41 @@ class _Recorder(TorchDispatchMode):
             return s
         return None if _is_constant(t) else False
 
-    def _op(self, func, args, kwargs, out) -> bool:
-        if any(tag in func.tags for tag in _UNREPLAYABLE) or torch.is_grad_enabled() != self.grad:
-            return False  # (data read on the host; an op under another grad mode than the call's)
-        template, slots, kw_template, kw_slots = list(args), [], dict(kwargs), []
-        for i, a in enumerate(args):
-            if isinstance(a, torch.Tensor):
-                s = self._slot(a)
-                if s is False:
-                    return False
-                if s is not None:
-                    slots.append((i, -1, s))
-                    template[i] = None
-            elif isinstance(a, list | tuple) and any(isinstance(b, torch.Tensor) for b in a):
-                inner = list(a)
-                for j, b in enumerate(a):
-                    if isinstance(b, torch.Tensor):
-                        s = self._slot(b)
-                        if s is False:
-                            return False
-                        if s is not None:
-                            slots.append((i, j, s))
-                            inner[j] = None
-                template[i] = inner
-        for k, v in kwargs.items():
+    def _holes(self, values):
+        """(``values`` as a list with each tensor that has a source replaced by None, [(position, source)]), or
+        None where a tensor has none (registered constant memory stays in place)."""
+        out, holes = list(values), []
+        for i, v in enumerate(values):
             if isinstance(v, torch.Tensor):
                 s = self._slot(v)
                 if s is False:
-                    return False
+                    return None
                 if s is not None:
-                    kw_slots.append((k, s))
-                    kw_template[k] = None
+                    holes.append((i, s))
+                    out[i] = None
+        return out, holes
+
+    def _op(self, func, args, kwargs, out) -> bool:
+        if any(tag in func.tags for tag in _UNREPLAYABLE) or torch.is_grad_enabled() != self.grad:
+            return False  # (data read on the host; an op under another grad mode than the call's)
+        got = self._holes(args)
+        if got is None:
+            return False
+        template, top = got
+        slots = [(i, -1, s) for i, s in top]
+        for i, a in enumerate(args):
+            if isinstance(a, list | tuple) and any(isinstance(b, torch.Tensor) for b in a):
+                got = self._holes(a)
+                if got is None:
+                    return False
+                template[i] = got[0]
+                slots += [(i, j, s) for j, s in got[1]]
+        keys = list(kwargs)
+        got = self._holes([kwargs[k] for k in keys])
+        if got is None:
+            return False
+        kw_template = dict(zip(keys, got[0], strict=True))
+        kw_slots = [(keys[j], s) for j, s in got[1]]
         many = isinstance(out, list | tuple)
         outs = out if many else (out,)
         if not all(isinstance(o, torch.Tensor) for o in outs):
