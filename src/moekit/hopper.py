@@ -87,7 +87,7 @@ def ws_rows_setup(a, b, offs, c, out2, *, box_n: int, zero_tail: bool = True):
     a_desc = ws_desc(a, [m, k], [a.stride(0), 1], [bm, bk])
     b_desc = weight_descriptor(b, bk, box_n, make=ws_desc)
     max_row_tiles = launch.cdiv(m, bm) + e
-    table = config.workspace((4 * (max_row_tiles + 1),), dtype=torch.int32, device=a.device)
+    table = torch.empty(4 * (max_row_tiles + 1), dtype=torch.int32, device=a.device)  # (filled before read)
     launch.kernel(hk._tile_table_kernel)[(max(launch.cdiv(max_row_tiles, 32), 8),)](
         offs, table, c, out2, m, c.shape[1], out2.shape[1] if out2 is not c else 0, e,
         c.stride(0), out2.stride(0), max_row_tiles,

@@ -17,7 +17,7 @@ from .heuristics import (
     ones_row_is_free,
     swiglu_bwd_blocks,
 )
-from .settings import Options, empty, fused_dswiglu, get_options, options, save_h, set_options, workspace
+from .settings import Options, empty, fused_dswiglu, get_options, options, save_h, set_options
 from .target import (
     TRITON_TESTED,
     check_triton,
@@ -34,5 +34,5 @@ __all__ = [
     "NVFP4_DECODE_ROWS", "TRITON_TESTED", "Options", "TileConfig", "check_triton", "empty", "fused_dswiglu",
     "get_options", "grouped_mm_config", "is_interpreting", "num_sms", "nvfp4_gemm_config", "nvfp4_gemm_dequantizes",
     "ones_row_is_free", "options", "save_h", "set_options", "swiglu_bwd_blocks", "use_gluon_quantize",
-    "use_nvfp4_ptx_decode", "use_tma", "use_warp_specialized", "uses_triton", "workspace",
+    "use_nvfp4_ptx_decode", "use_tma", "use_warp_specialized", "uses_triton",
 ]

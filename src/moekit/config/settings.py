@@ -172,12 +172,6 @@ def empty(shape, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return out
 
 
-def workspace(shape, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Allocate scratch that a kernel fills before any kernel reads it (a tile table): ``empty`` without
-    the poison."""
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
 def fused_dswiglu() -> bool:
     """Whether the down-projection's dgrad computes d_aux in an epilogue partition (the
     ``fused_dswiglu`` option) instead of a plain dgrad followed by the SwiGLU backward pass. Off by
