@@ -3,7 +3,8 @@ recipe, ``moekit.fp8``) and NVFP4 (``moekit.nvfp4``), on the block shapes in the
 
 One bf16 block's weights are loaded into each precision's block, and all of them run the same tokens and
 output gradient, interleaved over rotating rounds. Per precision: the forward and the training step
-(forward, then the gradients of x and every parameter), the step against bf16's, the saved activations,
+(forward, then the gradients of x and every parameter), the step against bf16's, the bytes the forward
+leaves allocated for the backward (saved activations, and FP8's and NVFP4's quantized weight copies),
 and the output's relative (Frobenius) error against the bf16 block. The router and the routing stay bf16
 in every precision, so all of them route alike.
 """
@@ -55,8 +56,9 @@ def run_shape(shape: MoEShape, device) -> dict:
 def table(rows) -> str:
     gpu = torch.cuda.is_available()
     out = [environment(), ""] + ([] if gpu else [CPU_NOTE, ""])
-    out += ["Medians of 3 interleaved rounds (their range in brackets); error: the output against the bf16 "
-            "block's, relative.", "",
+    out += ["Medians of 3 interleaved rounds (their range in brackets); saved: what the forward leaves allocated "
+            "besides its output (activations, and the quantized weight copies of FP8 and NVFP4); error: the output "
+            "against the bf16 block's, relative.", "",
             "| shape | T | precision | fwd ms | step ms | step vs bf16 | saved GiB | error |",
             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
