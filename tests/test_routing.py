@@ -11,10 +11,11 @@ from moekit import MoE, combine, combine_ref, gather_rows, router_topk_ref, rout
 from moekit.bench.baselines import TorchtitanMoE
 from moekit.routing import (
     _router_topk_op,
-    _split_bf16,
     gather_token_rows,
     router_topk_fwd,
     routing_metadata_fwd,
+    split_router_logits_fwd,
+    split_router_logits_ref,
     topk_weights_grad_fwd,
     topk_weights_grad_ref,
 )
@@ -199,18 +200,38 @@ def split_bf16_case(device):
     return w, torch.cat([hi, (w - hi.float()).to(torch.bfloat16)])
 
 
-def test_split_bf16_kernel_is_bit_exact(interpreter):
-    """The router weight's two bf16 terms from one kernel have torch's bits (round to nearest even for
-    both), NaN as NaN. On the CPU this checks the kernel's arithmetic under the interpreter's casts
-    (conftest.py rounds them as the GPU does, but drops fp32 subnormals' bits); the hardware's
-    conversions, subnormals included, are compared on the GPU (test_routing_gpu.py)."""
-    w, want = split_bf16_case("cpu")
-    got = _split_bf16(w)
-    nan = want.isnan()
-    assert torch.equal(got.isnan(), nan)
-    keep = ((w == 0) | (w.abs() >= 1e-30)).repeat(2, 1) & ~nan  # hi and lo both normal or zero
-    assert keep.sum() > 300
-    assert torch.equal(got[keep].view(torch.int16), want[keep].view(torch.int16))
+def test_router_logits_kernel_splits_the_weight_as_torch(interpreter):
+    """The router-logits kernel splits the fp32 gate weight into torch's two bf16 terms (round to nearest
+    even for both): with x the identity, each logit is one weight's hi + lo, bit for bit against the
+    reference (NaN as NaN; a 0 * inf product makes a row with an inf NaN, as in any GEMM). On the CPU
+    this checks the kernel's arithmetic under the interpreter's casts (conftest.py rounds them as the GPU
+    does, but drops fp32 subnormals' bits); the hardware's are compared on the GPU (test_routing_gpu.py)."""
+    w, split = split_bf16_case("cpu")
+    x = torch.eye(w.shape[1], dtype=BF16)
+    got, want = split_router_logits_fwd(x, w, None), split_router_logits_ref(x, w, None)
+    assert torch.equal(got.isnan(), want.isnan())
+    keep = ((w == 0) | (w.abs() >= 1e-30)).t() & ~want.isnan()  # hi and lo both normal or zero
+    assert keep.sum() > 150
+    assert torch.equal(got[keep], want[keep])
+    assert torch.equal(want[keep], (split[:7].float() + split[7:].float()).t()[keep])  # (the reference's split)
+
+
+@pytest.mark.parametrize("t, e, d", [(0, 8, 64), (1, 1, 16), (37, 12, 33), (130, 130, 200)])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_router_logits_kernel_against_float64(interpreter, t, e, d, bias):
+    """One kernel for the router's fp32 logits of bf16 tokens: against the split reference up to the
+    order of fp32 sums, and against float64 to the split's ~16 bits; odd sizes, two expert blocks
+    (E = 130), no tokens, tokens with a stride."""
+    torch.manual_seed(t + e)
+    x = torch.randn(t, 2 * d).to(BF16)[:, ::2]  # (stride 2 along D)
+    w, b = torch.randn(e, d) * 0.05, (torch.randn(e) if bias else None)
+    got = split_router_logits_fwd(x, w, b)
+    assert got.shape == (t, e) and got.dtype == torch.float32 and got.is_contiguous()
+    torch.testing.assert_close(got, split_router_logits_ref(x, w, b), rtol=1e-6, atol=1e-6)
+    want = x.double() @ w.double().t() + (b.double() if bias else 0)
+    assert ((got.double() - want).abs().max() <= 1e-5 * (x.double().abs() @ w.double().abs().t()).max()) if t else True
+    with pytest.raises(ValueError, match="bf16"):
+        split_router_logits_fwd(x.float(), w, b)
 
 
 def test_router_topk_double_backward(interpreter):
@@ -307,26 +328,6 @@ def test_combine_and_gather_with_absent_choices(interpreter, weighted):
     xs.backward(g)
     want = torch.zeros(t, d, dtype=torch.float64).index_add_(0, token_idx.long(), g.double())
     assert_within_baseline(x.grad, want, torch.zeros(t, d).index_add_(0, token_idx.long(), g.float()).to(BF16))
-
-
-@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # (numpy, on inf - inf)
-@pytest.mark.parametrize("t, e", [(0, 8), (1, 1), (37, 12), (130, 128)])
-@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_split_logits_kernel_is_its_reference(interpreter, t, e, bias):
-    """The router's logits from the split GEMM's [hi | lo] product: one kernel, the bits of
-    split_logits_ref, infs and NaNs included (an inf hi keeps its sign whatever lo is)."""
-    from moekit.routing import split_logits_fwd, split_logits_ref
-
-    both = torch.randn(t, 2 * e)
-    if t > 2:
-        both[0, 0], both[0, e] = float("inf"), float("-inf")  # inf hi, lo of the other sign
-        both[1, 0], both[1, e] = float("-inf"), float("nan")  # inf hi, NaN lo
-        both[2, 0] = float("nan")  # NaN hi
-    b = torch.randn(e) if bias else None
-    got, want = split_logits_fwd(both, b), split_logits_ref(both, b)
-    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
-    if t > 2:
-        assert got[0, 0] == float("inf") and got[1, 0] == float("-inf") and got[2, 0].isnan()
 
 
 def test_plain_combine_and_sorted_weights(interpreter):

@@ -6,12 +6,11 @@ import torch
 from moekit import MoE, router_topk_ref, routing_metadata_ref, topk_router
 from moekit.bench.baselines import TorchtitanMoE
 from moekit.routing import (
-    _split_bf16,
     router_topk_fwd,
     routing_metadata_fwd,
     sorted_weights,
-    split_logits_fwd,
-    split_logits_ref,
+    split_router_logits_fwd,
+    split_router_logits_ref,
     topk_weights_grad_fwd,
     topk_weights_grad_ref,
 )
@@ -29,23 +28,30 @@ def test_route_metadata_exact(t, e, k):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("e", [8, 128, 160])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_split_logits_kernel_is_its_reference(bias):
-    both = torch.randn(4099, 256, device=DEV)
-    both[0, 0], both[0, 128], both[1, 0], both[1, 128] = float("inf"), float("-inf"), float("-inf"), float("nan")
-    b = torch.randn(128, device=DEV) if bias else None
-    torch.testing.assert_close(split_logits_fwd(both, b), split_logits_ref(both, b), rtol=0, atol=0, equal_nan=True)
+def test_router_logits_kernel_against_its_reference(e, bias):
+    """The router-logits kernel on the hardware: against the split reference (fp32 GEMMs of the exact
+    bf16 terms) up to the order of fp32 sums; strided tokens, an odd T, two expert blocks (E = 160)."""
+    torch.manual_seed(e)
+    x = torch.randn(4099, 4096, device=DEV).to(BF16)[:, ::2]
+    w, b = torch.randn(e, 2048, device=DEV) * 0.02, (torch.randn(e, device=DEV) if bias else None)
+    got, want = split_router_logits_fwd(x, w, b), split_router_logits_ref(x, w, b)
+    scale = (x.float().abs() @ w.abs().t()).max()
+    assert (got - want).abs().max() <= 1e-6 * scale
 
 
 def test_router_small_kernels():
-    """The router's one-kernel helpers on the GPU: the bf16 split of the gate weight bit for bit
-    (subnormals included, NaN as NaN), the scores' gradient against float64, the sorted weights exact."""
+    """The router's one-kernel helpers on the GPU: the router-logits kernel's bf16 split of the gate
+    weight bit for bit (subnormals included, NaN as NaN), the scores' gradient against float64, the
+    sorted weights exact."""
     from test_routing import split_bf16_case
 
-    w, want = split_bf16_case(DEV)
-    got = _split_bf16(w)
+    w, _ = split_bf16_case(DEV)  # (x the identity: each logit is one weight's hi + lo)
+    x = torch.eye(w.shape[1], device=DEV, dtype=BF16)
+    got, want = split_router_logits_fwd(x, w, None), split_router_logits_ref(x, w, None)
     nan = want.isnan()
-    assert torch.equal(got.isnan(), nan) and torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    assert torch.equal(got.isnan(), nan) and torch.equal(got[~nan], want[~nan])
     t, e, k = 16384, 128, 8
     scores = torch.rand(t, e, device=DEV).softmax(-1)
     experts = scores.topk(k, -1).indices.to(torch.int32)

@@ -28,10 +28,9 @@ from ._kernels.routing import (
     _route_histogram_kernel,
     _route_scan_kernel,
     _route_scatter_kernel,
+    _router_logits_kernel,
     _router_topk_kernel,
     _scatter_weights_kernel,
-    _split_bf16_kernel,
-    _split_logits_kernel,
     _topk_weights_grad_kernel,
 )
 from .dispatch import custom_op
@@ -598,34 +597,36 @@ def split_logits_ref(both: torch.Tensor, bias: torch.Tensor | None) -> torch.Ten
     return logits if bias is None else logits + bias.float()
 
 
+def split_router_logits_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp32 logits (T, E) of tokens x (T, D) and a gate weight (E, D) split into two bf16 terms, hi =
+    bf16(w) and lo = bf16(w - hi) (round to nearest even, as torch's casts), and the bias (E,) or None:
+    the fp32 products [x.hi | x.lo] combined by ``split_logits_ref``. ``split_router_logits_fwd``'s
+    reference (the same bits up to the order of the fp32 sums)."""
+    w = weight.float()
+    hi = w.to(torch.bfloat16)
+    split = torch.cat([hi, (w - hi.float()).to(torch.bfloat16)])
+    return split_logits_ref(x.float() @ split.float().t(), bias)
+
+
 @planned
-def split_logits_fwd(both: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``split_logits_ref`` in one kernel (the same bits): both (T, 2E) fp32 with unit stride along
-    its columns, bias (E,) fp32 or None -> (T, E) fp32."""
-    t, e = both.shape[0], both.shape[1] // 2
-    out = config.empty((t, e), dtype=torch.float32, device=both.device)
+def split_router_logits_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``split_router_logits_ref`` in one kernel: x (T, D) bf16, weight (E, D) fp32, bias (E,) fp32
+    contiguous or None -> (T, E) fp32. The weight is split per tile in registers; both products
+    accumulate in fp32 on the tensor cores."""
+    t, d = x.shape
+    e = weight.shape[0]
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.float32 or weight.shape[1] != d:
+        raise ValueError(f"split_router_logits: need x (T, D) bf16 and weight (E, D) fp32, got {tuple(x.shape)} "
+                         f"{x.dtype} and {tuple(weight.shape)} {weight.dtype}")
+    out = config.empty((t, e), dtype=torch.float32, device=x.device)
     if t and e:
-        block_e = launch.next_power_of_2(e)
-        block_t = max(1, min(64, 4096 // block_e))
-        launch.kernel(_split_logits_kernel)[(launch.cdiv(t, block_t),)](
-            both, bias if bias is not None else out, out, t, e, both.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_E=block_e,
+        block_e = min(128, max(16, launch.next_power_of_2(e)))
+        grid = (launch.cdiv(t, 64), launch.cdiv(e, block_e))
+        launch.kernel(_router_logits_kernel)[grid](
+            x, weight, bias if bias is not None else out, out, t, e, d, x.stride(0), x.stride(1), weight.stride(0),
+            weight.stride(1), HAS_BIAS=bias is not None, BLOCK_T=64, BLOCK_E=block_e, BLOCK_D=64,
+            DOT_F32=config.is_interpreting(), num_warps=8 if block_e == 128 else 4,
         )
-    return out
-
-
-@planned
-def _split_bf16(w: torch.Tensor) -> torch.Tensor:
-    """(E, D) fp32 -> (2E, D) bf16 [hi; lo] with hi + lo = w to ~16 mantissa bits (one kernel where
-    Triton runs, the same bits)."""
-    if not config.uses_triton(w.device):
-        hi = w.to(torch.bfloat16)
-        return torch.cat([hi, (w - hi.float()).to(torch.bfloat16)])
-    w = w.contiguous()
-    out = config.empty((2 * w.shape[0], w.shape[1]), dtype=torch.bfloat16, device=w.device)
-    n = w.numel()
-    if n:
-        launch.kernel(_split_bf16_kernel)[(launch.cdiv(n, 1024),)](w, out, n, BLOCK=1024)
     return out
 
 
@@ -633,16 +634,12 @@ def _split_bf16(w: torch.Tensor) -> torch.Tensor:
 def _router_logits_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """fp32 logits of bf16 tokens on the tensor cores: x (T, D) bf16 times the fp32 gate weight (E, D)
     split into two bf16 terms (hi + lo, ~16 mantissa bits: routing then agrees with an fp32 GEMM up
-    to near-ties), in one GEMM with fp32 accumulation and output, and no fp32 copy of x. A custom op,
-    so that torch.compile keeps the fp32 output instead of decomposing it."""
-    split = _split_bf16(weight.float())
-    if x.is_cuda:
-        both = torch.mm(x, split.t(), out_dtype=torch.float32)  # (T, 2E)
-    else:  # (mm's out_dtype form is CUDA's; the same exact bf16 products, for tests of this arithmetic)
-        both = x.float() @ split.float().t()
-    if config.uses_triton(both.device):  # the sum and the bias in one kernel, as _split_logits_ref
-        return split_logits_fwd(both, None if bias is None else bias.float().contiguous())
-    return split_logits_ref(both, bias)
+    to near-ties), in one kernel with fp32 accumulation and output (``split_router_logits_fwd``), and no
+    fp32 copy of x. A custom op, so that torch.compile keeps the fp32 output instead of decomposing it.
+    Off Triton (a CPU, for tests of this arithmetic), ``split_router_logits_ref``."""
+    if config.uses_triton(x.device):
+        return split_router_logits_fwd(x, weight.float(), None if bias is None else bias.float().contiguous())
+    return split_router_logits_ref(x, weight, bias)
 
 
 @_router_logits_op.register_fake

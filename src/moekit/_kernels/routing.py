@@ -14,9 +14,10 @@
   without w (a plain sum) it copies dout[t] to the K rows and reads no y.
 * ``_topk_weights_grad_kernel``: the router scores' gradient (T, E) from the chosen weights' (T, K),
   through the renormalization if any: zero but at each token's K experts.
-* ``_split_bf16_kernel``: an fp32 tensor as two bf16 terms, hi = bf16(w) and lo = bf16(w - hi).
-* ``_split_logits_kernel``: the fp32 logits from the split GEMM's (T, 2E) product [x.hi | x.lo]:
-  hi + lo (hi where hi is an inf), plus the router bias.
+* ``_router_logits_kernel``: the fp32 logits x @ w^T (+ bias) of bf16 tokens and an fp32 gate weight in
+  one kernel: w split per tile into hi = bf16(w) and lo = bf16(w - hi) (round to nearest even, as
+  torch's casts), two bf16 products accumulated in fp32, then hi + lo (hi where hi is an inf) plus the
+  bias: the split GEMM with no split weight in memory, no (T, 2E) product and no library GEMM call.
 * ``_scatter_weights_kernel``: out[row_of[i]] = w[i] in fp32 (the routing weights in sorted-row order).
 * ``_gather_weights_kernel``: out[i] = g[row_of[i]], zero where row_of[i] < 0 (its backward).
 * ``_gather_rows_ones_kernel``: out[r] = x[token_idx[r]] followed by a column of ones (the
@@ -26,6 +27,8 @@
 
 import triton
 import triton.language as tl
+
+from .grouped_gemm import _dot
 
 
 @triton.jit
@@ -95,32 +98,33 @@ def _topk_weights_grad_kernel(
 
 
 @triton.jit
-def _split_bf16_kernel(w, out, N, BLOCK: tl.constexpr):  # w (E*D,) fp32 -> out (2*E*D,) bf16 [hi; lo]; N = E*D
-    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = idx < N
-    v = tl.load(w + idx, mask=ok, other=0.0)
-    hi = v.to(tl.bfloat16)  # round to nearest even, as torch's .to(torch.bfloat16)
-    tl.store(out + idx, hi, mask=ok)
-    tl.store(out + N + idx, (v - hi.to(tl.float32)).to(tl.bfloat16), mask=ok)
-
-
-@triton.jit
-def _split_logits_kernel(
-    both, bias, out, T, E, stride_both,  # both (T, 2E) fp32 [hi | lo]; bias (E,) fp32; out (T, E) fp32
-    HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+def _router_logits_kernel(
+    x, w, bias, out, T, E, D, stride_xt, stride_xd, stride_we, stride_wd,  # x (T, D) bf16; w (E, D) fp32
+    HAS_BIAS: tl.constexpr,  # bias (E,) fp32; out (T, E) fp32, contiguous
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_E)
-    ok = (rows[:, None] < T) & (cols[None, :] < E)
-    at = both + rows[:, None].to(tl.int64) * stride_both + cols[None, :]
-    hi = tl.load(at, mask=ok, other=0.0)
-    lo = tl.load(at + E, mask=ok, other=0.0)
+    cols = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    row_ok, col_ok = rows < T, cols < E
+    xp = x + rows[:, None].to(tl.int64) * stride_xt
+    wp = w + cols[:, None].to(tl.int64) * stride_we
+    acc_hi = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    acc_lo = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        ds = d0 + tl.arange(0, BLOCK_D)
+        d_ok = ds < D
+        a = tl.load(xp + ds[None, :] * stride_xd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(wp + ds[None, :] * stride_wd, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        hi = v.to(tl.bfloat16)
+        lo = (v - hi.to(tl.float32)).to(tl.bfloat16)
+        acc_hi = _dot(a, tl.trans(hi), acc_hi, DOT_F32)
+        acc_lo = _dot(a, tl.trans(lo), acc_lo, DOT_F32)
     # an inf in x makes x.hi an inf of w's sign, the fp32 product's; x.lo may be an inf of the other
     # sign (lo holds hi's rounding error) or NaN (inf * a zero lo), which would make the sum NaN
-    v = tl.where(tl.abs(hi) == float("inf"), hi, hi + lo)
-    if HAS_BIAS:  # a second rounding, as torch's (hi + lo) + bias
-        v = v + tl.load(bias + cols, mask=cols < E, other=0.0)[None, :]
-    tl.store(out + rows[:, None].to(tl.int64) * E + cols[None, :], v, mask=ok)
+    v = tl.where(tl.abs(acc_hi) == float("inf"), acc_hi, acc_hi + acc_lo)
+    if HAS_BIAS:
+        v = v + tl.load(bias + cols, mask=col_ok, other=0.0)[None, :]
+    tl.store(out + rows[:, None].to(tl.int64) * E + cols[None, :], v, mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
