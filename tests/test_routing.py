@@ -12,6 +12,8 @@ from moekit.bench.baselines import TorchtitanMoE
 from moekit.routing import (
     _router_topk_op,
     gather_token_rows,
+    router_logits_bwd_fwd,
+    router_logits_bwd_ref,
     router_topk_fwd,
     routing_metadata_fwd,
     split_router_logits_fwd,
@@ -328,6 +330,35 @@ def test_combine_and_gather_with_absent_choices(interpreter, weighted):
     xs.backward(g)
     want = torch.zeros(t, d, dtype=torch.float64).index_add_(0, token_idx.long(), g.double())
     assert_within_baseline(x.grad, want, torch.zeros(t, d).index_add_(0, token_idx.long(), g.float()).to(BF16))
+
+
+@pytest.mark.parametrize("t, e, d", [(0, 8, 64), (1, 1, 16), (37, 12, 33), (130, 80, 200)])
+@pytest.mark.parametrize("need_x, need_w", [(True, True), (True, False), (False, True)])
+def test_router_logits_backward_kernel_against_float64(interpreter, t, e, d, need_x, need_w):
+    """One kernel for the router GEMM's input gradients (dx bf16, dW fp32) from the logits' fp32 gradient
+    rounded to bf16: against the reference up to the order of fp32 sums and against float64 of the same
+    rounded operands; each gradient alone, odd sizes, two expert tiles along E (E = 80), no tokens (dW
+    zero), strided tokens; outputs poisoned first."""
+    torch.manual_seed(t + e + d)
+    x = torch.randn(t, 2 * d).to(BF16)[:, ::2]
+    w, g = torch.randn(e, d) * 0.05, torch.randn(t, e)
+    with moekit.options(poison=True):
+        dx, dw = router_logits_bwd_fwd(g, x, w, need_x, need_w)
+    rx, rw = router_logits_bwd_ref(g, x, w)
+    g64 = g.to(BF16).double()
+    if need_x:
+        assert dx.shape == (t, d) and dx.dtype == BF16
+        torch.testing.assert_close(dx, rx, rtol=1e-2, atol=1e-6)  # (one bf16 rounding apart at most)
+        assert_within_baseline(dx, g64 @ w.to(BF16).double(), rx)
+    else:
+        assert dx.numel() == 0
+    if need_w:
+        assert dw.shape == (e, d) and dw.dtype == torch.float32
+        torch.testing.assert_close(dw, rw, rtol=1e-5, atol=1e-5)
+        want = g64.t() @ x.double()
+        assert (dw.double() - want).abs().max() <= 1e-5 * max(1.0, (g64.abs().t() @ x.double().abs()).max())
+    else:
+        assert dw.numel() == 0
 
 
 def test_plain_combine_and_sorted_weights(interpreter):

@@ -28,6 +28,7 @@ from ._kernels.routing import (
     _route_histogram_kernel,
     _route_scan_kernel,
     _route_scatter_kernel,
+    _router_logits_bwd_kernel,
     _router_logits_kernel,
     _router_topk_kernel,
     _scatter_weights_kernel,
@@ -647,16 +648,51 @@ def _(x, weight, bias):
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
+def router_logits_bwd_ref(grad: torch.Tensor, x: torch.Tensor,
+                          weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split router GEMM's input gradients from the logits' fp32 gradient (T, E): (dx (T, D) in
+    x.dtype, dW (E, D) fp32), with the gradient rounded to x.dtype and fp32 products and sums."""
+    g = grad.to(x.dtype).float()
+    return (g @ weight.to(x.dtype).float()).to(x.dtype), g.t() @ x.float()
+
+
+@planned
+def router_logits_bwd_fwd(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_x: bool,
+                          need_w: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``router_logits_bwd_ref`` in one kernel: grad (T, E) fp32, x (T, D) bf16, weight (E, D) fp32 ->
+    (dx (T, D) bf16, dW (E, D) fp32), each an empty tensor where not needed."""
+    t, d = x.shape
+    e = weight.shape[0]
+    grad = grad.float().contiguous()
+    dx = config.empty((t, d) if need_x else (0,), dtype=x.dtype, device=x.device)
+    dw = config.empty((e, d) if need_w else (0,), dtype=torch.float32, device=x.device)
+    if need_w and not t:
+        dw.zero_()
+    block_e = min(64, max(16, launch.next_power_of_2(e)))
+    n_d = launch.cdiv(d, 64)
+    n_dx = launch.cdiv(t, 64) * n_d if need_x and t and e else 0
+    n_dw = launch.cdiv(e, block_e) * n_d if need_w and t else 0
+    if n_dx + n_dw:
+        launch.kernel(_router_logits_bwd_kernel)[(n_dx + n_dw,)](
+            grad, x, weight, dx, dw, t, e, d, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), n_dx,
+            NEED_W=n_dw > 0, BLOCK_T=64, BLOCK_E=block_e, BLOCK_D=64, DOT_F32=config.is_interpreting(),
+        )
+    elif need_x and t:
+        dx.zero_()  # (E = 0)
+    return dx, dw
+
+
 @custom_op("moekit::router_logits_bwd")
 def _router_logits_bwd_op(
     grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_x: bool, need_w: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx (T, D) in x.dtype, dW (E, D) in weight.dtype) on the tensor cores, with the logits' gradient
-    rounded to x.dtype; empty tensors stand in for gradients not needed."""
-    g = grad.to(x.dtype)
-    dx = torch.mm(g, weight.to(x.dtype)) if need_x else x.new_empty(0)
-    dw = torch.mm(g.t(), x, out_dtype=torch.float32).to(weight.dtype) if need_w else weight.new_empty(0)
-    return dx, dw
+    rounded to x.dtype; empty tensors stand in for gradients not needed. One kernel where Triton runs
+    (``router_logits_bwd_fwd``)."""
+    if config.uses_triton(x.device) and x.dtype == torch.bfloat16 and weight.dtype == torch.float32:
+        return router_logits_bwd_fwd(grad, x, weight, need_x, need_w)
+    dx, dw = router_logits_bwd_ref(grad, x, weight)
+    return (dx if need_x else x.new_empty(0)), (dw.to(weight.dtype) if need_w else weight.new_empty(0))
 
 
 @_router_logits_bwd_op.register_fake

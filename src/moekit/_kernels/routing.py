@@ -18,6 +18,9 @@
   one kernel: w split per tile into hi = bf16(w) and lo = bf16(w - hi) (round to nearest even, as
   torch's casts), two bf16 products accumulated in fp32, then hi + lo (hi where hi is an inf) plus the
   bias: the split GEMM with no split weight in memory, no (T, 2E) product and no library GEMM call.
+* ``_router_logits_bwd_kernel``: the router GEMM's two input gradients from the logits' fp32 gradient
+  g (T, E), rounded to bf16 as it is read: dx = g @ bf16(w) (T, D) bf16 and dW = g^T @ x (E, D) fp32,
+  in one launch (the first programs take dx's tiles, the rest dW's).
 * ``_scatter_weights_kernel``: out[row_of[i]] = w[i] in fp32 (the routing weights in sorted-row order).
 * ``_gather_weights_kernel``: out[i] = g[row_of[i]], zero where row_of[i] < 0 (its backward).
 * ``_gather_rows_ones_kernel``: out[r] = x[token_idx[r]] followed by a column of ones (the
@@ -125,6 +128,44 @@ def _router_logits_kernel(
     if HAS_BIAS:
         v = v + tl.load(bias + cols, mask=col_ok, other=0.0)[None, :]
     tl.store(out + rows[:, None].to(tl.int64) * E + cols[None, :], v, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _router_logits_bwd_kernel(
+    g, x, w, dx, dw, T, E, D, stride_xt, stride_xd, stride_we, stride_wd,  # g (T, E) fp32 contiguous;
+    N_DX, NEED_W: tl.constexpr,  # x (T, D) bf16; w (E, D) fp32; dx (T, D) bf16 and dw (E, D) fp32, contiguous
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = (pid % tl.cdiv(D, BLOCK_D)) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = cols < D
+    if pid < N_DX:  # dx[rows, cols] = sum over E of bf16(g) * bf16(w)
+        rows = (pid // tl.cdiv(D, BLOCK_D)) * BLOCK_T + tl.arange(0, BLOCK_T)
+        row_ok = rows < T
+        acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+        for e0 in range(0, E, BLOCK_E):
+            es = e0 + tl.arange(0, BLOCK_E)
+            e_ok = es < E
+            a = tl.load(g + rows[:, None].to(tl.int64) * E + es[None, :], mask=row_ok[:, None] & e_ok[None, :],
+                        other=0.0).to(tl.bfloat16)
+            b = tl.load(w + es[:, None].to(tl.int64) * stride_we + cols[None, :] * stride_wd,
+                        mask=e_ok[:, None] & d_ok[None, :], other=0.0).to(tl.bfloat16)
+            acc = _dot(a, b, acc, DOT_F32)
+        tl.store(dx + rows[:, None].to(tl.int64) * D + cols[None, :], acc.to(tl.bfloat16),
+                 mask=row_ok[:, None] & d_ok[None, :])
+    elif NEED_W:  # dw[es, cols] = sum over T of bf16(g)^T * x, in fp32
+        es = ((pid - N_DX) // tl.cdiv(D, BLOCK_D)) * BLOCK_E + tl.arange(0, BLOCK_E)
+        e_ok = es < E
+        acc = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
+        for t0 in range(0, T, BLOCK_T):
+            ts = t0 + tl.arange(0, BLOCK_T)
+            t_ok = ts < T
+            a = tl.load(g + ts[None, :].to(tl.int64) * E + es[:, None], mask=e_ok[:, None] & t_ok[None, :],
+                        other=0.0).to(tl.bfloat16)
+            b = tl.load(x + ts[:, None].to(tl.int64) * stride_xt + cols[None, :] * stride_xd,
+                        mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+            acc = _dot(a, b, acc, DOT_F32)
+        tl.store(dw + es[:, None].to(tl.int64) * D + cols[None, :], acc, mask=e_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
