@@ -359,6 +359,22 @@ def test_router_logits_backward_kernel_against_float64(interpreter, t, e, d, nee
         assert (dw.double() - want).abs().max() <= 1e-5 * max(1.0, (g64.abs().t() @ x.double().abs()).max())
     else:
         assert dw.numel() == 0
+    if need_x:  # another gradient of x added in the kernel, with the bits of torch's bf16 add
+        other = torch.randn(t, d).to(BF16)
+        got, _ = router_logits_bwd_fwd(g, x, w, True, need_w, dx_add=other)
+        assert torch.equal(got, other + dx)
+        with pytest.raises(ValueError, match="dx_add"):
+            router_logits_bwd_fwd(g, x, w, True, need_w, dx_add=other.float())
+
+
+def test_router_logits_backward_op_schema(interpreter):
+    """The router backward's custom op, with and without the added gradient of x: schema, fake and
+    dispatch checks (torch.library.opcheck)."""
+    from moekit.routing import _router_logits_bwd_op
+
+    x, w, g = torch.randn(9, 20).to(BF16), torch.randn(5, 20), torch.randn(9, 5)
+    for args in ((g, x, w, True, True), (g, x, w, True, False, torch.randn(9, 20).to(BF16)), (g, x, w, False, True)):
+        torch.library.opcheck(_router_logits_bwd_op.op, args)
 
 
 def test_plain_combine_and_sorted_weights(interpreter):

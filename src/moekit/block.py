@@ -89,9 +89,8 @@ def _backward(dout, x, gate_w, gate_b, experts, scores, offs, token_idx, row_of,
         dx, dw1, db1 = up_grads(matrix_ready(d_aux), x, w1.mT, offs, b1, token_idx, row_of, need_x, need_w1,
                                 need_b1, True)
     if need_route:
-        dx_r, dgw, dgb = router_grads(d_weights, None, x, gate_w, gate_b, experts, scores, plan.sigmoid,
-                                      plan.renormalize, need_x, need_gw, need_gb)
-        dx = dx_r if dx is None else dx + dx_r
+        dx, dgw, dgb = router_grads(d_weights, None, x, gate_w, gate_b, experts, scores, plan.sigmoid,
+                                    plan.renormalize, need_x, need_gw, need_gb, dx_add=dx)
     return (dx, dgw, dgb, None, None if dw1 is None else dw1.mT, db1, None if dw2 is None else dw2.mT,
             None if db2 is None else db2.to(b2.dtype), None)
 

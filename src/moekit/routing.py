@@ -421,10 +421,12 @@ def _router_backward(ctx, dw, _, d_scores):
 
 
 def router_grads(dw, d_scores, x, weight, bias, experts, scores, sigmoid: bool, renormalize: bool,
-                 need_x: bool, need_w: bool, need_b: bool):
+                 need_x: bool, need_w: bool, need_b: bool, dx_add: torch.Tensor | None = None):
     """The fused router's input gradients (dx, dW, db; None where not needed) from the gradients of its
     top-k weights dw (T, K) and of its scores d_scores (T, E), either one None, given what its forward
-    saved: x (T, D), the gate weight (E, D) and bias (E,) or None, experts (T, K) int32, scores (T, E)."""
+    saved: x (T, D), the gate weight (E, D) and bias (E,) or None, experts (T, K) int32, scores (T, E).
+    With ``dx_add`` (another gradient of x, x's dtype and shape), dx is ``dx_add + dx`` (where x is bf16
+    on a GPU, in the same kernel)."""
     ds = None if dw is None else topk_weights_grad(dw, scores, experts, renormalize)
     if d_scores is not None:  # (topk_router does not return the scores: only a direct caller of the op)
         ds = d_scores if ds is None else ds + d_scores
@@ -434,10 +436,12 @@ def router_grads(dw, d_scores, x, weight, bias, experts, scores, sigmoid: bool, 
         dl = torch.ops.aten._softmax_backward_data(ds, scores, -1, torch.float32)
     db = dl.sum(0) if bias is not None and need_b else None
     if x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.float32:
-        dx, dwt = _router_logits_bwd_op(dl, x, weight, need_x, need_w)
+        dx, dwt = _router_logits_bwd_op(dl, x, weight, need_x, need_w, dx_add)
     else:  # F.linear on fp32 copies: its backward, then the casts'
         dx = (dl @ weight.float()).to(x.dtype) if need_x else None
         dwt = (dl.t() @ x.float()).to(weight.dtype) if need_w else None
+        if need_x and dx_add is not None:
+            dx = dx_add + dx
     return (dx if need_x else None), (dwt if need_w else None), db
 
 
@@ -658,12 +662,19 @@ def router_logits_bwd_ref(grad: torch.Tensor, x: torch.Tensor,
 
 @planned
 def router_logits_bwd_fwd(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_x: bool,
-                          need_w: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                          need_w: bool, dx_add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``router_logits_bwd_ref`` in one kernel: grad (T, E) fp32, x (T, D) bf16, weight (E, D) fp32 ->
-    (dx (T, D) bf16, dW (E, D) fp32), each an empty tensor where not needed."""
+    (dx (T, D) bf16, dW (E, D) fp32), each an empty tensor where not needed. With ``dx_add`` (T, D) bf16
+    (and ``need_x``), dx is ``dx_add + dx`` with torch's bf16 rounding, and no (T, D) tensor more."""
     t, d = x.shape
     e = weight.shape[0]
     grad = grad.float().contiguous()
+    add = dx_add is not None and need_x
+    if add:
+        dx_add = dx_add.contiguous()
+        if dx_add.shape != (t, d) or dx_add.dtype != x.dtype:
+            raise ValueError(f"router_logits_bwd: dx_add must be {(t, d)} {x.dtype}, got {tuple(dx_add.shape)} "
+                             f"{dx_add.dtype}")
     dx = config.empty((t, d) if need_x else (0,), dtype=x.dtype, device=x.device)
     dw = config.empty((e, d) if need_w else (0,), dtype=torch.float32, device=x.device)
     if need_w and not t:
@@ -674,29 +685,35 @@ def router_logits_bwd_fwd(grad: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     n_dw = launch.cdiv(e, block_e) * n_d if need_w and t else 0
     if n_dx + n_dw:
         launch.kernel(_router_logits_bwd_kernel)[(n_dx + n_dw,)](
-            grad, x, weight, dx, dw, t, e, d, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), n_dx,
-            NEED_W=n_dw > 0, BLOCK_T=64, BLOCK_E=block_e, BLOCK_D=64, DOT_F32=config.is_interpreting(),
+            grad, x, weight, dx_add if add else dx, dx, dw, t, e, d, x.stride(0), x.stride(1), weight.stride(0),
+            weight.stride(1), n_dx, ADD=add, NEED_W=n_dw > 0, BLOCK_T=64, BLOCK_E=block_e, BLOCK_D=64,
+            DOT_F32=config.is_interpreting(),
         )
+    elif need_x and t and add:  # (E = 0)
+        dx.copy_(dx_add)
     elif need_x and t:
-        dx.zero_()  # (E = 0)
+        dx.zero_()
     return dx, dw
 
 
 @custom_op("moekit::router_logits_bwd")
 def _router_logits_bwd_op(
-    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_x: bool, need_w: bool
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_x: bool, need_w: bool,
+    dx_add: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx (T, D) in x.dtype, dW (E, D) in weight.dtype) on the tensor cores, with the logits' gradient
-    rounded to x.dtype; empty tensors stand in for gradients not needed. One kernel where Triton runs
-    (``router_logits_bwd_fwd``)."""
+    rounded to x.dtype; empty tensors stand in for gradients not needed; dx plus ``dx_add`` where given.
+    One kernel where Triton runs (``router_logits_bwd_fwd``)."""
     if config.uses_triton(x.device) and x.dtype == torch.bfloat16 and weight.dtype == torch.float32:
-        return router_logits_bwd_fwd(grad, x, weight, need_x, need_w)
+        return router_logits_bwd_fwd(grad, x, weight, need_x, need_w, dx_add)
     dx, dw = router_logits_bwd_ref(grad, x, weight)
+    if dx_add is not None:
+        dx = dx_add + dx
     return (dx if need_x else x.new_empty(0)), (dw.to(weight.dtype) if need_w else weight.new_empty(0))
 
 
 @_router_logits_bwd_op.register_fake
-def _(grad, x, weight, need_x, need_w):
+def _(grad, x, weight, need_x, need_w, dx_add=None):
     return x.new_empty(x.shape if need_x else (0,)), weight.new_empty(weight.shape if need_w else (0,))
 
 

@@ -19,8 +19,9 @@
   torch's casts), two bf16 products accumulated in fp32, then hi + lo (hi where hi is an inf) plus the
   bias: the split GEMM with no split weight in memory, no (T, 2E) product and no library GEMM call.
 * ``_router_logits_bwd_kernel``: the router GEMM's two input gradients from the logits' fp32 gradient
-  g (T, E), rounded to bf16 as it is read: dx = g @ bf16(w) (T, D) bf16 and dW = g^T @ x (E, D) fp32,
-  in one launch (the first programs take dx's tiles, the rest dW's).
+  g (T, E), rounded to bf16 as it is read: dx = g @ bf16(w) (T, D) bf16 (plus another bf16 gradient of
+  x, added as torch adds two bf16 tensors) and dW = g^T @ x (E, D) fp32, in one launch (the first
+  programs take dx's tiles, the rest dW's).
 * ``_scatter_weights_kernel``: out[row_of[i]] = w[i] in fp32 (the routing weights in sorted-row order).
 * ``_gather_weights_kernel``: out[i] = g[row_of[i]], zero where row_of[i] < 0 (its backward).
 * ``_gather_rows_ones_kernel``: out[r] = x[token_idx[r]] followed by a column of ones (the
@@ -132,8 +133,9 @@ def _router_logits_kernel(
 
 @triton.jit
 def _router_logits_bwd_kernel(
-    g, x, w, dx, dw, T, E, D, stride_xt, stride_xd, stride_we, stride_wd,  # g (T, E) fp32 contiguous;
-    N_DX, NEED_W: tl.constexpr,  # x (T, D) bf16; w (E, D) fp32; dx (T, D) bf16 and dw (E, D) fp32, contiguous
+    g, x, w, dx_add, dx, dw, T, E, D, stride_xt, stride_xd, stride_we, stride_wd,  # g (T, E) fp32 contiguous;
+    N_DX, ADD: tl.constexpr, NEED_W: tl.constexpr,  # x (T, D) bf16; w (E, D) fp32; dx_add, dx (T, D) bf16 and
+    # dw (E, D) fp32, contiguous
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -151,8 +153,12 @@ def _router_logits_bwd_kernel(
             b = tl.load(w + es[:, None].to(tl.int64) * stride_we + cols[None, :] * stride_wd,
                         mask=e_ok[:, None] & d_ok[None, :], other=0.0).to(tl.bfloat16)
             acc = _dot(a, b, acc, DOT_F32)
-        tl.store(dx + rows[:, None].to(tl.int64) * D + cols[None, :], acc.to(tl.bfloat16),
-                 mask=row_ok[:, None] & d_ok[None, :])
+        at = rows[:, None].to(tl.int64) * D + cols[None, :]
+        ok = row_ok[:, None] & d_ok[None, :]
+        out = acc.to(tl.bfloat16)
+        if ADD:  # (each term rounded to bf16, summed in fp32, rounded again: torch's bf16 add)
+            out = (tl.load(dx_add + at, mask=ok, other=0.0).to(tl.float32) + out.to(tl.float32)).to(tl.bfloat16)
+        tl.store(dx + at, out, mask=ok)
     elif NEED_W:  # dw[es, cols] = sum over T of bf16(g)^T * x, in fp32
         es = ((pid - N_DX) // tl.cdiv(D, BLOCK_D)) * BLOCK_E + tl.arange(0, BLOCK_E)
         e_ok = es < E
