@@ -24,8 +24,8 @@ import torch
 import moekit
 from moekit import MoE, grouped_mm_swiglu, grouped_mm_swiglu_ref, nvfp4, swiglu
 from moekit.epilogue import SwiGLU, swiglu_bwd_torch, swiglu_torch
+from moekit.gate import router_logits_op
 from moekit.nvfp4 import TrainingRecipe
-from moekit.routing import _router_logits_op
 from moekit.testing import offs_from_counts
 
 BF16 = torch.bfloat16
@@ -215,13 +215,13 @@ def test_routing_of_nan_and_inf_tokens_gpu(score_func, biased, aux_loss):
 
 
 def _check_split_logits(device):
-    """The router logits of bf16 tokens and an fp32 gate as the GPU computes them (``_router_logits_op``:
+    """The router logits of bf16 tokens and an fp32 gate as the GPU computes them (``router_logits_op``:
     x @ hi + x @ lo, the gate split into two bf16 terms; on the CPU too, for this check): an inf token's
     logits are float64's +-inf. (The sum gave NaN wherever lo's sign was not hi's or lo was 0, and the
     token went to other experts than in float64.)"""
     x, w, b = _randn(6, 32), torch.randn(8, 32), torch.randn(8)
     x[1, 0], x[2, 3], x[4, 7] = INF, NAN, -INF
-    got = _router_logits_op(x.to(device), w.to(device), b.to(device))
+    got = router_logits_op(x.to(device), w.to(device), b.to(device))
     _same_nan_inf(got, x.double() @ w.double().T + b.double(), "logits")
 
 

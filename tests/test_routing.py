@@ -9,15 +9,12 @@ import torch
 import moekit
 from moekit import MoE, combine, combine_ref, gather_rows, router_topk_ref, routing_metadata_ref, topk_router
 from moekit.bench.baselines import TorchtitanMoE
+from moekit.gate import router_logits_bwd_fwd, router_logits_bwd_ref, split_router_logits_fwd, split_router_logits_ref
 from moekit.routing import (
     _router_topk_op,
     gather_token_rows,
-    router_logits_bwd_fwd,
-    router_logits_bwd_ref,
     router_topk_fwd,
     routing_metadata_fwd,
-    split_router_logits_fwd,
-    split_router_logits_ref,
     topk_weights_grad_fwd,
     topk_weights_grad_ref,
 )
@@ -370,11 +367,11 @@ def test_router_logits_backward_kernel_against_float64(interpreter, t, e, d, nee
 def test_router_logits_backward_op_schema(interpreter):
     """The router backward's custom op, with and without the added gradient of x: schema, fake and
     dispatch checks (torch.library.opcheck)."""
-    from moekit.routing import _router_logits_bwd_op
+    from moekit.gate import router_logits_bwd_op
 
     x, w, g = torch.randn(9, 20).to(BF16), torch.randn(5, 20), torch.randn(9, 5)
     for args in ((g, x, w, True, True), (g, x, w, True, False, torch.randn(9, 20).to(BF16)), (g, x, w, False, True)):
-        torch.library.opcheck(_router_logits_bwd_op.op, args)
+        torch.library.opcheck(router_logits_bwd_op.op, args)
 
 
 def test_plain_combine_and_sorted_weights(interpreter):

@@ -5,14 +5,11 @@ import torch
 
 from moekit import MoE, router_topk_ref, routing_metadata_ref, topk_router
 from moekit.bench.baselines import TorchtitanMoE
+from moekit.gate import router_logits_bwd_fwd, router_logits_bwd_ref, split_router_logits_fwd, split_router_logits_ref
 from moekit.routing import (
-    router_logits_bwd_fwd,
-    router_logits_bwd_ref,
     router_topk_fwd,
     routing_metadata_fwd,
     sorted_weights,
-    split_router_logits_fwd,
-    split_router_logits_ref,
     topk_weights_grad_fwd,
     topk_weights_grad_ref,
 )
@@ -186,7 +183,8 @@ def test_weight_gradients_arrive_in_the_parameter_layout():
 def test_fused_router_equals_its_composition_gpu(score_func):
     """The fused router (tensor-core logits recomputed in the backward) against the composition of
     router_logits, the scores and the top-k op: the same choices, weights and gradients, bit for bit."""
-    from moekit.routing import _router_topk_op, router_logits
+    from moekit.gate import router_logits
+    from moekit.routing import _router_topk_op
 
     torch.manual_seed(5)
     t, d, e, k = 4096, 1024, 64, 6
@@ -206,7 +204,7 @@ def test_fused_router_equals_its_composition_gpu(score_func):
 
 
 def test_router_logits_on_tensor_cores_match_fp32():
-    from moekit.routing import _router_logits_op, router_logits
+    from moekit.gate import router_logits, router_logits_op
 
     torch.manual_seed(3)
     x = torch.randn(4096, 2048, device=DEV).to(BF16).requires_grad_()
@@ -223,4 +221,4 @@ def test_router_logits_on_tensor_cores_match_fp32():
     for t, t64 in ((x, x64), (w, w64), (b, b64)):
         rel = (t.grad.double() - t64.grad).norm() / t64.grad.norm()
         assert rel < 1e-2, float(rel)  # the logits' gradient is rounded to bf16
-    torch.library.opcheck(_router_logits_op.op, (x[:256], w, b))
+    torch.library.opcheck(router_logits_op.op, (x[:256], w, b))
