@@ -54,6 +54,22 @@ def test_router_logits_backward_kernel_against_its_reference(e):
     assert (dw - rw).abs().max() <= 1e-5 * (gb.abs().t() @ x.float().abs()).max()
 
 
+@pytest.mark.parametrize("t", [2048, 2049], ids=["kernel", "cublas"])
+def test_router_logits_backward_op_on_both_sides_of_its_token_limit(t):
+    """The backward op: one kernel up to KERNEL_MAX_TOKENS tokens, cuBLAS past them; both against the
+    reference, with the added gradient of x."""
+    from moekit.gate import KERNEL_MAX_TOKENS, router_logits_bwd_op
+
+    assert KERNEL_MAX_TOKENS == 2048  # (the two cases straddle it)
+    torch.manual_seed(t)
+    x, w = torch.randn(t, 1024, device=DEV).to(BF16), torch.randn(64, 1024, device=DEV) * 0.02
+    g, other = torch.randn(t, 64, device=DEV) * 1e-3, torch.randn(t, 1024, device=DEV).to(BF16)
+    dx, dw = router_logits_bwd_op(g, x, w, True, True, other)
+    rx, rw = router_logits_bwd_ref(g, x, w)
+    torch.testing.assert_close(dx, other + rx, rtol=1e-2, atol=1e-6)
+    assert (dw - rw).abs().max() <= 1e-5 * (g.to(BF16).float().abs().t() @ x.float().abs()).max()
+
+
 def test_router_small_kernels():
     """The router's one-kernel helpers on the GPU: the router-logits kernel's bf16 split of the gate
     weight bit for bit (subnormals included, NaN as NaN), the scores' gradient against float64, the

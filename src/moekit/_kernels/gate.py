@@ -46,11 +46,10 @@ def _router_logits_kernel(
     tl.store(out + rows[:, None].to(tl.int64) * E + cols[None, :], v, mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_DX", "ADD"])  # (one compiled kernel whichever gradients a step needs)
 def _router_logits_bwd_kernel(
     g, x, w, dx_add, dx, dw, T, E, D, stride_xt, stride_xd, stride_we, stride_wd,  # g (T, E) fp32 contiguous;
-    N_DX, ADD: tl.constexpr, NEED_W: tl.constexpr,  # x (T, D) bf16; w (E, D) fp32; dx_add, dx (T, D) bf16 and
-    # dw (E, D) fp32, contiguous
+    N_DX, ADD,  # x (T, D) bf16; w (E, D) fp32; dx_add, dx (T, D) bf16 and dw (E, D) fp32, contiguous
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -71,19 +70,19 @@ def _router_logits_bwd_kernel(
         at = rows[:, None].to(tl.int64) * D + cols[None, :]
         ok = row_ok[:, None] & d_ok[None, :]
         out = acc.to(tl.bfloat16)
-        if ADD:  # (each term rounded to bf16, summed in fp32, rounded again: torch's bf16 add)
+        if ADD != 0:  # (each term rounded to bf16, summed in fp32, rounded again: torch's bf16 add)
             out = (tl.load(dx_add + at, mask=ok, other=0.0).to(tl.float32) + out.to(tl.float32)).to(tl.bfloat16)
         tl.store(dx + at, out, mask=ok)
-    elif NEED_W:  # dw[es, cols] = sum over T of bf16(g)^T * x, in fp32
-        es = ((pid - N_DX) // tl.cdiv(D, BLOCK_D)) * BLOCK_E + tl.arange(0, BLOCK_E)
-        e_ok = es < E
-        acc = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
+    else:  # dw[ew, cols] = sum over T of bf16(g)^T * x, in fp32 (names apart from the dx branch's:
+        ew = ((pid - N_DX) // tl.cdiv(D, BLOCK_D)) * BLOCK_E + tl.arange(0, BLOCK_E)  # a name in both branches
+        ew_ok = ew < E  # must keep one type)
+        acc_w = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
         for t0 in range(0, T, BLOCK_T):
             ts = t0 + tl.arange(0, BLOCK_T)
             t_ok = ts < T
-            a = tl.load(g + ts[None, :].to(tl.int64) * E + es[:, None], mask=e_ok[:, None] & t_ok[None, :],
-                        other=0.0).to(tl.bfloat16)
-            b = tl.load(x + ts[:, None].to(tl.int64) * stride_xt + cols[None, :] * stride_xd,
-                        mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-            acc = _dot(a, b, acc, DOT_F32)
-        tl.store(dw + es[:, None].to(tl.int64) * D + cols[None, :], acc, mask=e_ok[:, None] & d_ok[None, :])
+            gt = tl.load(g + ts[None, :].to(tl.int64) * E + ew[:, None], mask=ew_ok[:, None] & t_ok[None, :],
+                         other=0.0).to(tl.bfloat16)
+            xt = tl.load(x + ts[:, None].to(tl.int64) * stride_xt + cols[None, :] * stride_xd,
+                         mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+            acc_w = _dot(gt, xt, acc_w, DOT_F32)
+        tl.store(dw + ew[:, None].to(tl.int64) * D + cols[None, :], acc_w, mask=ew_ok[:, None] & d_ok[None, :])
