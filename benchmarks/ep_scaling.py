@@ -1,7 +1,7 @@
 """Expert-parallel weak scaling on one host: the MoE block at EP 1 and EP W, T tokens per rank.
 
     python benchmarks/ep_scaling.py [--shape qwen3-30b-a3b --shape gpt-oss-120b] [--chunks 1 --chunks 4]
-                                    [--sm-margin 0 --sm-margin 16] [--graph] [--profile] [--world W]
+                                    [--sm-margin 0 --sm-margin 16] [--graph] [--profile] [--world 2 --world 4]
                                     [--out table.md]
 
 One process per GPU (NCCL; on a machine without GPUs, gloo over CPU processes and the reference path,
@@ -349,28 +349,32 @@ def main(argv=None) -> str:
                    help="also time each chunk count on device splits with the whole step replayed from a CUDA graph")
     p.add_argument("--trace-dir", help="with --profile: keep rank 0's Chrome trace of each EP run here")
     p.add_argument("--cprofile", action="store_true", help="rank 0's host profile of each EP run with margin 0")
-    p.add_argument("--world", type=int, help="ranks (default: every GPU; 2 CPU processes without GPUs)")
+    p.add_argument("--world", type=int, action="append", dest="worlds",
+                   help="ranks, repeatable, one table (default: 2 and every GPU; 2 CPU processes without GPUs)")
     p.add_argument("--tokens", type=int, help="tokens per rank (default: the shape's)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", help="write the markdown table here")
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available()
-    world = a.world or (torch.cuda.device_count() if cuda else 2)
+    n = torch.cuda.device_count() if cuda else 2
+    worlds = a.worlds or sorted({min(2, n), n})
     args = dict(shapes=a.shapes or (["qwen3-30b-a3b", "gpt-oss-120b"] if cuda else ["tiny-cpu"]),
                 config=a.config, chunks=a.chunks or [1, 4], margins=a.margins or [0],
                 profile=a.profile, cprofile=a.cprofile, graph=a.graph, trace_dir=a.trace_dir, tokens=a.tokens,
                 warmup=a.warmup, reps=a.reps)
-    with tempfile.TemporaryDirectory() as folder:
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_rank, args=(r, world, folder, args)) for r in range(world)]
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join()
-        rows = json.load(open(f"{folder}/rows.json")) if os.path.exists(f"{folder}/rows.json") else []
-    if any(proc.exitcode for proc in procs):
-        print(f"a rank failed: exit codes {[proc.exitcode for proc in procs]}", file=sys.stderr)
+    rows = []
+    for world in worlds:  # (one process group per world size, in turn)
+        with tempfile.TemporaryDirectory() as folder:
+            ctx = mp.get_context("spawn")
+            procs = [ctx.Process(target=_rank, args=(r, world, folder, args)) for r in range(world)]
+            for proc in procs:
+                proc.start()
+            for proc in procs:
+                proc.join()
+            rows += json.load(open(f"{folder}/rows.json")) if os.path.exists(f"{folder}/rows.json") else []
+        if any(proc.exitcode for proc in procs):
+            print(f"a rank failed at world {world}: exit codes {[proc.exitcode for proc in procs]}", file=sys.stderr)
     gpus = ""
     if cuda:
         try:
