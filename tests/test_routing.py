@@ -372,6 +372,9 @@ def test_router_logits_backward_op_schema(interpreter):
     x, w, g = torch.randn(9, 20).to(BF16), torch.randn(5, 20), torch.randn(9, 5)
     for args in ((g, x, w, True, True), (g, x, w, True, False, torch.randn(9, 20).to(BF16)), (g, x, w, False, True)):
         torch.library.opcheck(router_logits_bwd_op.op, args)
+    for reference in (False, True):  # the same error on the kernel's path and the reference's
+        with moekit.options(reference=reference), pytest.raises(ValueError, match="dx_add must be"):
+            router_logits_bwd_op(g, x, w, True, True, torch.randn(9, 21).to(BF16))
 
 
 def test_plain_combine_and_sorted_weights(interpreter):

@@ -53,6 +53,7 @@ def split_router_logits_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     if x.dtype != torch.bfloat16 or weight.dtype != torch.float32 or weight.shape[1] != d:
         raise ValueError(f"split_router_logits: need x (T, D) bf16 and weight (E, D) fp32, got {tuple(x.shape)} "
                          f"{x.dtype} and {tuple(weight.shape)} {weight.dtype}")
+    bias = None if bias is None else bias.contiguous()  # (the kernel reads it at unit stride)
     out = config.empty((t, e), dtype=torch.float32, device=x.device)
     if t and e:
         block_e = min(128, max(16, launch.next_power_of_2(e)))
@@ -88,6 +89,12 @@ def _(x, weight, bias):
 KERNEL_MAX_TOKENS = 2048
 
 
+def _check_dx_add(dx_add: torch.Tensor, x: torch.Tensor) -> None:
+    if dx_add.shape != x.shape or dx_add.dtype != x.dtype:
+        raise ValueError(f"router_logits_bwd: dx_add must be {tuple(x.shape)} {x.dtype}, got {tuple(dx_add.shape)} "
+                         f"{dx_add.dtype}")
+
+
 def router_logits_bwd_ref(grad: torch.Tensor, x: torch.Tensor,
                           weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The split router GEMM's input gradients from the logits' fp32 gradient (T, E): (dx (T, D) in
@@ -107,10 +114,8 @@ def router_logits_bwd_fwd(grad: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     grad = grad.float().contiguous()
     add = dx_add is not None and need_x
     if add:
+        _check_dx_add(dx_add, x)
         dx_add = dx_add.contiguous()
-        if dx_add.shape != (t, d) or dx_add.dtype != x.dtype:
-            raise ValueError(f"router_logits_bwd: dx_add must be {(t, d)} {x.dtype}, got {tuple(dx_add.shape)} "
-                             f"{dx_add.dtype}")
     dx = config.empty((t, d) if need_x else (0,), dtype=x.dtype, device=x.device)
     dw = config.empty((e, d) if need_w else (0,), dtype=torch.float32, device=x.device)
     if need_w and not t:
@@ -141,6 +146,8 @@ def router_logits_bwd_op(
     rounded to x.dtype; empty tensors stand in for gradients not needed; dx plus ``dx_add`` where given.
     One kernel where Triton runs (``router_logits_bwd_fwd``), up to ``KERNEL_MAX_TOKENS`` tokens on a GPU;
     past them two cuBLAS GEMMs."""
+    if dx_add is not None and need_x:
+        _check_dx_add(dx_add, x)
     if config.uses_triton(x.device) and x.dtype == torch.bfloat16 and weight.dtype == torch.float32:
         if not (x.is_cuda and x.shape[0] > KERNEL_MAX_TOKENS):
             return router_logits_bwd_fwd(grad, x, weight, need_x, need_w, dx_add)
@@ -150,7 +157,7 @@ def router_logits_bwd_op(
             dx = dx_add + dx
         return dx, torch.mm(g.t(), x, out_dtype=torch.float32) if need_w else weight.new_empty(0)
     dx, dw = router_logits_bwd_ref(grad, x, weight)
-    if dx_add is not None:
+    if need_x and dx_add is not None:
         dx = dx_add + dx
     return (dx if need_x else x.new_empty(0)), (dw.to(weight.dtype) if need_w else weight.new_empty(0))
 
