@@ -98,6 +98,30 @@ def test_replay_moves_a_descriptors_base(stand_in, monkeypatch):
     assert _LOG[-1] == ("replay", (1, 1, 1), [("desc", x2.data_ptr() + 2 * 16 * 4, (4, 16), (2, 16)), o2.data_ptr()])
 
 
+def test_a_replay_allocates_through_the_public_binding_with_the_recorded_layout(stand_in):
+    """Allocations (``aten.empty.memory_format``, ``aten.empty_strided``) replay as ``torch.empty_strided``
+    with the recorded sizes, strides, dtype and device (a channels-last and a transposed layout too), not
+    through the op overload's generic call."""
+    @planned
+    def allocating(x):
+        a = torch.empty((2, 3, 4, 5), dtype=torch.float16, device=x.device, memory_format=torch.channels_last)
+        b = torch.empty_strided((4, 3), (1, 4), dtype=torch.int32, device=x.device)
+        c = config.empty((x.shape[0],), dtype=x.dtype, device=x.device)
+        _launch((1,), [x, a, b, c])
+        return a, b, c
+
+    x = torch.randn(6)
+    want = allocating(x)
+    for _ in range(2):
+        got = allocating(torch.randn(6))
+        for g, w in zip(got, want, strict=True):
+            assert (g.shape, g.stride(), g.dtype, g.device) == (w.shape, w.stride(), w.dtype, w.device)
+    assert _LOG[-1][0] == "replay"
+    (plan,) = allocating.plans.values()
+    ops = [step[1] for step in plan.steps if step[0] == plans._OP]
+    assert len(ops) == 3 and all(op is torch.empty_strided for op in ops)
+
+
 _FROM_ELSEWHERE = torch.zeros(8)
 
 

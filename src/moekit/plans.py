@@ -51,6 +51,9 @@ _CONSTANTS: list = []  # (start, end) of the tensors that ``constant`` registere
 _UNREPLAYABLE = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
 _OP, _LAUNCH = 0, 1
 _DETACH, _EMPTY = torch.ops.aten.detach.default, torch.ops.aten.empty.memory_format
+_ALLOCS = (_EMPTY, torch.ops.aten.empty_strided.default)  # replayed as torch.empty_strided: an OpOverload's
+# generic call parses its arguments by schema, 3-5x the host time of the public binding (a CPU: 12-15 us
+# against 3)
 _ARENA = -1  # a pointer into the replay's one allocation for kernel-only scratch
 _ARENA_SLICE_MAX = 1 << 20  # bytes: larger kernel-only allocations keep their own (freed as they were)
 _ARENA_ALIGN = 512  # bytes, as the caching allocator aligns
@@ -191,8 +194,12 @@ class _Recorder(TorchDispatchMode):
             return False  # a copy to the host: its values could steer the function
         nested = tuple(sorted({i for i, j, _ in slots if j >= 0}))
         first = len(self.sources)
-        self.steps.append((_OP, func._op, tuple(template), kw_template, tuple(slots), nested, tuple(kw_slots), many,
-                           first, func, len(outs)))
+        if func in _ALLOCS and not kwargs.get("pin_memory") and out.layout == torch.strided:  # (no tensor args)
+            self.steps.append((_OP, torch.empty_strided, (tuple(out.shape), out.stride()),
+                               {"dtype": out.dtype, "device": out.device}, (), (), (), False, first, func, 1))
+        else:
+            self.steps.append((_OP, func._op, tuple(template), kw_template, tuple(slots), nested, tuple(kw_slots),
+                               many, first, func, len(outs)))
         for o in outs:
             self._source(o, len(self.sources))
             self.sources.append(weakref.ref(o))
