@@ -9,7 +9,7 @@ expert-GEMM and combine launchers directly, and the backward the gradient helper
 backwards use (``experts.up_grads``, ``routing.router_grads``). Outputs and gradients are the
 composed path's bit for bit (tests/test_block.py).
 
-:func:`step_ok` says when the block may take it: plain eager tensors (not compiling, no dispatch mode,
+:func:`step_inputs` says when the block may take it: plain eager tensors (not compiling, no dispatch mode,
 no tensor subclass such as FSDP2's DTensor), no hooks on the experts module (FSDP2 gathers
 parameters there), no aux loss, no NVFP4 or FP8, contiguous
 parameters on x's device, and the ``fused_block`` option on. Anything else composes the ops, whose
@@ -125,34 +125,37 @@ def _hooked(m: torch.nn.Module) -> bool:
                 or _module._global_backward_hooks or _module._global_backward_pre_hooks)
 
 
-def step_ok(moe, x: torch.Tensor) -> bool:
-    """Whether ``moe`` (a :class:`moekit.MoE` whose ``route`` and experts' ``forward`` are its own) may run
-    x (T, D), already in its compute dtype, as one node (the module docstring's conditions)."""
+def step_inputs(moe, x: torch.Tensor) -> tuple | None:
+    """The parameters ``moe`` (a :class:`moekit.MoE` whose ``route`` and experts' ``forward`` are its own)
+    hands its one-node step for x (T, D), already in its compute dtype: (gate weight, gate bias,
+    expert_bias, w_up, b_up, w_down, b_down), each read once (a module attribute costs microseconds of
+    host); None where the step may not run as one node (the module docstring's conditions)."""
     experts = moe.experts
     if not (config.get_options().fused_block and experts.nvfp4 is None and experts.fp8 is None
             and not moe.use_aux_loss
             and x.dtype in IN_DTYPES and x.dim() == 2 and x.shape[1] == experts.dim and type(x) in PLAIN_TYPES):
-        return False
+        return None
     if _hooked(experts) or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
-        return False
-    w1, w2 = experts.mlp1_weight_EGD, experts.mlp2_weight_EDF
-    if w1.dtype != w2.dtype or not config.uses_triton(x.device):
-        return False
+        return None
+    router = moe.router
+    params = (router.weight, router.bias, moe.expert_bias, experts.mlp1_weight_EGD, experts.mlp1_bias_EG,
+              experts.mlp2_weight_EDF, experts.mlp2_bias_ED)
+    if params[3].dtype != params[5].dtype or not config.uses_triton(x.device):
+        return None
     dev = x.device
-    for t in (moe.router.weight, moe.router.bias, moe.expert_bias, w1, w2, experts.mlp1_bias_EG, experts.mlp2_bias_ED):
+    for t in params:
         if t is not None and (type(t) not in PLAIN_TYPES or t.device != dev or not t.is_contiguous()):
-            return False
-    return True
+            return None
+    return params
 
 
-def moe_step(moe, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_step(moe, x: torch.Tensor, params: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """``moe``'s routed experts on x (T, D) as one autograd node -> (out (T, D) in x.dtype, counts (E,)
-    int32). The caller checked :func:`step_ok`."""
+    int32). ``params``: what :func:`step_inputs` returned for them."""
     experts, sw = moe.experts, moe.experts.swiglu
     plan = StepPlan(moe.top_k, moe.score_func == "sigmoid", moe.renormalize, experts.num_experts,
                     SwiGLU(sw["swiglu_alpha"], sw["swiglu_limit"], sw["swiglu_linear_offset"], sw["gate_up_layout"]))
-    return _MoEStepFn.apply(x, moe.router.weight, moe.router.bias, moe.expert_bias, experts.mlp1_weight_EGD,
-                            experts.mlp1_bias_EG, experts.mlp2_weight_EDF, experts.mlp2_bias_ED, plan)
+    return _MoEStepFn.apply(x, *params, plan)
 
 
-__all__ = ["StepPlan", "moe_step", "step_ok"]
+__all__ = ["StepPlan", "moe_step", "step_inputs"]

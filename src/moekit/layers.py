@@ -336,8 +336,9 @@ class MoE(RoutedBlock):
         x2 = unit_columns(autocast(x).reshape(-1, shape[-1]))
         # (self.__class__: graphs.py calls this forward on a weakref.proxy of the module)
         own = self.__class__.route is RoutedBlock.route and type(self.experts).forward is GroupedExperts.forward
-        if own and block.step_ok(self, x2):  # one autograd node, the same launches (moekit.block)
-            out, counts = block.moe_step(self, x2)
+        params = block.step_inputs(self, x2) if own else None
+        if params is not None:  # one autograd node, the same launches (moekit.block)
+            out, counts = block.moe_step(self, x2, params)
             with torch.no_grad():
                 self.tokens_per_expert += counts
             self.aux_loss = None
