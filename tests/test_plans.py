@@ -122,6 +122,57 @@ def test_a_replay_allocates_through_the_public_binding_with_the_recorded_layout(
     assert len(ops) == 3 and all(op is torch.empty_strided for op in ops)
 
 
+def _public_cases():
+    x, g = torch.randn(5, 6), torch.randn(5, 6)
+    y = torch.softmax(x, -1)
+    return {
+        torch.ops.aten._softmax.default: (x, -1, False),
+        torch.ops.aten._softmax_backward_data.default: (g, y, -1, torch.float32),
+        torch.ops.aten.add.Tensor: (x, g),
+        torch.ops.aten.mul.Tensor: (x, g),
+        torch.ops.aten.sigmoid.default: (x,),
+        torch.ops.aten.transpose.int: (x, 0, 1),
+        torch.ops.aten.t.default: (x,),
+        torch.ops.aten.sum.dim_IntList: (x, [0], True),
+        torch.ops.aten.mm.default: (x, g.t()),
+    }
+
+
+def test_each_public_binding_a_replay_calls_is_its_op():
+    """The bindings that replay ops (``plans._PUBLIC``) give the op overload's values, shape, strides and
+    dtype on the schema's positional arguments, and with alpha for add."""
+    cases = _public_cases()
+    assert set(cases) == set(plans._PUBLIC)
+    for op, args in cases.items():
+        want, got = op(*args), plans._PUBLIC[op](*args)
+        assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype), op
+        assert torch.equal(got, want), op
+    x, g = torch.randn(4), torch.randn(4)
+    assert torch.equal(plans._PUBLIC[torch.ops.aten.add.Tensor](x, g, alpha=3),
+                       torch.ops.aten.add.Tensor(x, g, alpha=3))
+
+
+def test_a_replay_calls_the_common_ops_through_their_public_bindings(stand_in):
+    @planned
+    def router_like(x, g):
+        s = torch.softmax(x, -1)
+        ds = torch.ops.aten._softmax_backward_data(g, s, -1, torch.float32)
+        out = config.empty((x.shape[1], x.shape[0]), dtype=x.dtype, device=x.device)
+        _launch((1,), [s, ds, out])
+        return (s + ds).sum(0, keepdim=True), out.mT
+
+    for n in range(4):
+        x, g = torch.randn(5, 6), torch.randn(5, 6)
+        got, t = router_like(x, g)
+        s = torch.softmax(x, -1)
+        want = (s + torch.ops.aten._softmax_backward_data(g, s, -1, torch.float32)).sum(0, keepdim=True)
+        assert torch.equal(got, want) and t.shape == (5, 6) and t.stride() == (1, 5)
+        assert _LOG[-1][0] == ("run" if n < 2 else "replay")
+    (plan,) = router_like.plans.values()
+    ops = {step[1] for step in plan.steps if step[0] == plans._OP}
+    assert {torch._softmax, torch._softmax_backward_data, torch.add, torch.sum, torch.transpose} <= ops
+
+
 _FROM_ELSEWHERE = torch.zeros(8)
 
 

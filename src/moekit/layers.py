@@ -339,9 +339,10 @@ class MoE(RoutedBlock):
         params = block.step_inputs(self, x2) if own else None
         if params is not None:  # one autograd node, the same launches (moekit.block)
             out, counts = block.moe_step(self, x2, params)
-            with torch.no_grad():
-                self.tokens_per_expert += counts
-            self.aux_loss = None
+            with torch.no_grad():  # (add_, not +=: nn.Module's __setattr__ costs host microseconds)
+                self.tokens_per_expert.add_(counts)
+            if self.aux_loss is not None:
+                self.aux_loss = None
             return _shaped(out, shape)
         r = self.route(x2)
         if self.experts.mlp2_bias_ED is None:  # weights applied before the (linear) down-projection
