@@ -150,10 +150,17 @@ def test_router_topk_kernel_matches_reference(interpreter, e, k, score_func, ren
     w_ref, ids_ref = router_topk_ref(lg, k, score_func=score_func, renormalize=renormalize, expert_bias=bias)
     assert ids.dtype == torch.int32 and torch.equal(ids.long(), ids_ref)
     torch.testing.assert_close(w, w_ref, rtol=2e-6, atol=1e-7, equal_nan=True)
+    if biased:  # the bias added in the kernel: the same choice and bits as on the stored sum
+        w2, ids2 = router_topk_fwd(scores, scores, k, renormalize, bias)
+        assert torch.equal(ids2, ids)
+        torch.testing.assert_close(w2, w, rtol=0, atol=0, equal_nan=True)
     w0, ids0 = router_topk_fwd(key[:0], scores[:0], k, renormalize)
     assert w0.shape == ids0.shape == (0, k)
     with pytest.raises(ValueError, match="top_k"):
         router_topk_fwd(key, scores, e + 1, renormalize)
+    for wrong in (torch.zeros(e + 1), torch.zeros(e, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="expert bias"):
+            router_topk_fwd(scores, scores, k, renormalize, wrong)
 
 
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])

@@ -117,6 +117,10 @@ def test_router_topk_exact(t, e, k, score_func):
                                              expert_bias=bias)
             assert torch.equal(ids.long(), ids_ref)
             torch.testing.assert_close(w, w_ref, rtol=2e-6, atol=1e-7, equal_nan=True)
+            if bias is not None:  # the bias added in the kernel: the same choice and bits
+                w2, ids2 = router_topk_fwd(scores, scores, k, renormalize, bias)
+                assert torch.equal(ids2, ids)
+                torch.testing.assert_close(w2, w, rtol=0, atol=0, equal_nan=True)
 
 
 D, F = 576, 320  # neither a multiple of 128: both bias gradients ride on the weight-gradient GEMMs

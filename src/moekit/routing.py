@@ -173,21 +173,27 @@ def routing_metadata_fwd(experts: torch.Tensor, num_experts: int):
 
 
 @planned
-def router_topk_fwd(key: torch.Tensor, scores: torch.Tensor, top_k: int, renormalize: bool):
+def router_topk_fwd(key: torch.Tensor, scores: torch.Tensor, top_k: int, renormalize: bool,
+                    bias: torch.Tensor | None = None):
     """Triton twin of ``router_topk_ref``'s choice: key, scores (T, E) fp32 -> (weights (T, K) fp32,
-    experts (T, K) int32): the K largest keys (ties to the lower index, NaN first) and the scores there,
+    experts (T, K) int32): the K largest keys, or with ``bias`` (E,) fp32 of ``key + bias`` (the fp32 sum
+    torch's add rounds to, never stored), ties to the lower index, NaN first, and the scores there,
     divided by their sum when ``renormalize``."""
     t, e = key.shape
     if not 1 <= top_k <= e or scores.shape != key.shape:
         raise ValueError(f"router_topk: need 1 <= top_k <= E and key, scores of one shape (T, E), got top_k={top_k}, "
                          f"{tuple(key.shape)} and {tuple(scores.shape)}")
+    if bias is not None and (bias.shape != (e,) or bias.dtype != torch.float32 or bias.device != key.device):
+        raise ValueError(f"router_topk: the expert bias must be fp32 (E,) = ({e},) on the key's device, got "
+                         f"{bias.dtype} {tuple(bias.shape)} on {bias.device}")
     weights = config.empty((t, top_k), dtype=torch.float32, device=key.device)
     experts = config.empty((t, top_k), dtype=torch.int32, device=key.device)
     if t:
         block_e = launch.next_power_of_2(e)
         block_t = max(1, min(64, 4096 // block_e))
         launch.kernel(_router_topk_kernel)[(launch.cdiv(t, block_t),)](
-            key, scores, weights, experts, t, e, key.stride(0), scores.stride(0), K=top_k, RENORM=renormalize,
+            key, key if bias is None else bias.contiguous(), scores, weights, experts, t, e, key.stride(0),
+            scores.stride(0), K=top_k, RENORM=renormalize, BIAS=bias is not None,
             BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=launch.next_power_of_2(top_k),
         )
     return weights, experts
@@ -388,9 +394,10 @@ def router_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     composition differentiates ``router_topk_ref`` by autograd, which rounds differently)."""
     logits = router_logits(x, weight, bias)
     scores = _scores(logits, sigmoid)
-    key = logits if expert_bias is None else scores + expert_bias.float()
-    if config.uses_triton(logits.device):
-        return *router_topk_fwd(key, scores, top_k, renormalize), scores
+    if config.uses_triton(logits.device):  # (the kernel adds the expert bias: no (T, E) key tensor)
+        if expert_bias is None:
+            return *router_topk_fwd(logits, scores, top_k, renormalize), scores
+        return *router_topk_fwd(scores, scores, top_k, renormalize, expert_bias.float()), scores
     weights, experts = router_topk_ref(logits, top_k, score_func="sigmoid" if sigmoid else "softmax",
                                        renormalize=renormalize, expert_bias=expert_bias)
     return weights, experts.to(torch.int32), scores

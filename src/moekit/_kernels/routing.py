@@ -1,8 +1,9 @@
 """Router top-k, routing metadata and the weighted combine, all deterministic (no atomics).
 
-* ``_router_topk_kernel``: per token, the K largest entries of a choice key (ties to the lower index,
-  NaN above everything, as torch's stable descending sort orders them) and the scores at those
-  experts, renormalized over the K if asked.
+* ``_router_topk_kernel``: per token, the K largest entries of a choice key, or of the key plus an
+  expert bias added in fp32 as torch adds it (ties to the lower index, NaN above everything, as
+  torch's stable descending sort orders them) and the scores at those experts, renormalized over the
+  K if asked.
 * ``_route_histogram_kernel``: per block of routed entries, how many go to each expert.
 * ``_route_scan_kernel``: per-expert ``counts`` and each block's first row among its expert's rows (an
   exclusive scan down the blocks, one program per few experts).
@@ -35,8 +36,8 @@ INT32_MIN = tl.constexpr(-(2**31))
 
 @triton.jit
 def _router_topk_kernel(
-    key, scores, weights, experts, T, E, stride_key, stride_scores,  # key, scores (T, E) fp32
-    K: tl.constexpr, RENORM: tl.constexpr,  # weights (T, K) fp32, experts (T, K) int32
+    key, bias, scores, weights, experts, T, E, stride_key, stride_scores,  # key, scores (T, E), bias (E,) fp32
+    K: tl.constexpr, RENORM: tl.constexpr, BIAS: tl.constexpr,  # weights (T, K) fp32, experts (T, K) int32
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -44,6 +45,8 @@ def _router_topk_kernel(
     cols = tl.arange(0, BLOCK_E)
     ok = row_ok[:, None] & (cols[None, :] < E)
     v = tl.load(key + rows[:, None].to(tl.int64) * stride_key + cols[None, :], mask=ok, other=0.0)
+    if BIAS:  # (one fp32 add, rounded as torch's `scores + bias`)
+        v = v + tl.load(bias + cols, mask=cols < E, other=0.0)[None, :]
     # the choice runs on an order-preserving int32 key: -0 counts as +0, every NaN above +inf, and the
     # padding columns (and each chosen column) below every float
     bits = tl.where(v == 0.0, 0.0, v).to(tl.int32, bitcast=True)
