@@ -26,10 +26,25 @@ def _launch(grid, values):
     _LOG.append(("run", (*grid, 1, 1)[:3], [_address(v) for v in values]))
 
 
-def _direct(g0, g1, g2, stream, meta, enter, leave, values):
-    """The launch layer's direct launch, stood in for: logged with its addresses."""
-    assert stream == "stream" and meta is enter is leave is None
-    _LOG.append(("replay", (g0, g1, g2), [_address(v) for v in values]))
+class _Direct:
+    """The launch layer's direct launch (``launch._Direct``), stood in for: a replay's launch is logged
+    with its addresses, each descriptor expanded as ("desc", base address, shape, box); ``made`` counts
+    the encodings."""
+
+    slots = ((0, "meta"),)  # (position, metadata) of the descriptor arguments; a kernel's own
+    made = 0
+
+    def make(self, d, meta):
+        assert meta == "meta"
+        _Direct.made += 1
+        return [("desc", d.base.data_ptr(), tuple(d.shape), tuple(d.block_shape))]
+
+    def launch_expanded(self, g0, g1, g2, stream, args):
+        assert stream == "stream"
+        _LOG.append(("replay", (g0, g1, g2), [_address(v) for v in args]))
+
+
+_direct = _Direct()
 
 
 def _address(v):
@@ -94,8 +109,14 @@ def test_replay_moves_a_descriptors_base(stand_in, monkeypatch):
     x1, x2 = torch.randn(6, 16), torch.randn(6, 16)
     boxed(x1)
     boxed(x1)
-    o2 = boxed(x2)
-    assert _LOG[-1] == ("replay", (1, 1, 1), [("desc", x2.data_ptr() + 2 * 16 * 4, (4, 16), (2, 16)), o2.data_ptr()])
+    made = _Direct.made
+    for _ in range(3):  # encoded once at an address, then reused
+        o2 = boxed(x2)
+        assert _LOG[-1] == ("replay", (1, 1, 1), [("desc", x2.data_ptr() + 2 * 16 * 4, (4, 16), (2, 16)),
+                                                  o2.data_ptr()])
+    assert _Direct.made == made + 1
+    boxed(x1)
+    assert _LOG[-1][2][0] == ("desc", x1.data_ptr() + 2 * 16 * 4, (4, 16), (2, 16)) and _Direct.made == made + 2
 
 
 def test_a_replay_allocates_through_the_public_binding_with_the_recorded_layout(stand_in):
@@ -304,16 +325,17 @@ def test_a_replay_drops_each_intermediate_after_its_last_use(stand_in):
         alive.append(weakref.ref(t))
         return t
 
-    def second(*a, direct):
-        at_second.append(alive[-1]() is None)
-        return direct(*a)
+    class Second:  # the second launch, watched
+        def launch_expanded(self, *a):
+            at_second.append(alive[-1]() is None)
+            return _direct.launch_expanded(*a)
 
     steps = []
     for step in plan.steps:  # the temporary's op and the second launch, watched
         if step[0] == plans._OP and str(step[9]) == "aten.mul.Tensor":
             step = (step[0], functools.partial(watched, op=step[1]), *step[2:])
         elif step[0] == plans._LAUNCH and step[2][0] == 2:
-            step = (step[0], functools.partial(second, direct=step[1]), *step[2:])
+            step = (step[0], Second(), *step[2:])
         steps.append(step)
     plan.steps = steps
     launcher(x)

@@ -259,6 +259,15 @@ class _Direct:
         else:
             self.raw(g0, g1, g2, stream, *self.base, packed, meta, enter, leave, *args)
 
+    def launch_expanded(self, g0, g1, g2, stream, args) -> None:
+        """The launch with ``args`` already expanded (each descriptor spliced in as ``make`` encodes it),
+        no launch hook set (a launch plan's replay, which keeps the expansions itself)."""
+        packed = self.compiled.packed_metadata
+        if self.annotated:
+            self.raw(g0, g1, g2, stream, *self.base, packed, None, None, None, *self.tail, args)
+        else:
+            self.raw(g0, g1, g2, stream, *self.base, packed, None, None, None, *args)
+
 
 def _direct(compiled):
     """``compiled``'s :class:`_Direct` launch, or None where its launcher is not one of the forms known."""

@@ -22,8 +22,9 @@ and launches kernels; below T ~ 4096 those decisions are most of an eager block 
   Where another thread launched during the recording (which it may have missed), the key records again
   on its next call.
 - **Replay.** Later calls of the key run the recorded ops on this call's tensors and launch the
-  recorded kernels with each pointer moved (descriptors re-encoded only where their address is new:
-  the launch layer's cache), and return the outputs. The ops and the kernels are the recorded ones on
+  recorded kernels with each pointer moved (each TMA descriptor encoded once per address it meets, the
+  plan keeping its encodings by address: the rest of what it encodes is the recording's), and return
+  the outputs. The ops and the kernels are the recorded ones on
   the same values, so the bits are the function's (the common ops through torch's public bindings,
   allocations as ``torch.empty_strided``: an op overload's generic call costs more host). A view that
   only kernels read is not rebuilt, small kernel-only scratch comes from one allocation, and every
@@ -58,6 +59,7 @@ _ALLOCS = (_EMPTY, torch.ops.aten.empty_strided.default)  # replayed as torch.em
 _ARENA = -1  # a pointer into the replay's one allocation for kernel-only scratch
 _ARENA_SLICE_MAX = 1 << 20  # bytes: larger kernel-only allocations keep their own (freed as they were)
 _ARENA_ALIGN = 512  # bytes, as the caching allocator aligns
+_ENCODED_LIMIT = 64  # a replayed descriptor's encodings kept, by address; past it they start afresh
 _aten = torch.ops.aten
 _VIEWS = {_aten.t.default, _aten.transpose.int, _aten.permute.default, _aten.view.default, _aten.select.int,
           _aten.slice.Tensor, _aten.unsqueeze.default, _aten.squeeze.dim, _aten.expand.default, _aten.alias.default}
@@ -335,7 +337,11 @@ def _lean(steps: list, n_sources: int, n_inputs: int, alias: dict, empties: dict
         if step[0] == _LAUNCH:
             _, compiled, direct, grid, template, pointers, descriptors = step
             pointers = tuple((i, *where(s, off)) for i, s, off in pointers)
-            descriptors = tuple((i, *where(s, off), desc) for i, s, off, desc in descriptors)
+            metas = dict(direct.slots) if descriptors else {}
+            # (descending positions: each splice of an expansion leaves the earlier ones in place; per
+            # descriptor its encodings by address, the rest of what they encode being the recording's)
+            descriptors = tuple((i, *where(s, off), desc, metas[i], {})
+                                for i, s, off, desc in sorted(descriptors, key=lambda d: -d[0]))
             step = (_LAUNCH, direct, (*grid, 1, 1)[:3], template, pointers, descriptors)
             used = [s for _, s, _ in pointers] + [d[1] for d in descriptors]
         else:
@@ -394,12 +400,18 @@ class _Plan:
                 values = list(template)
                 for i, s, off in pointers:
                     values[i] = (base if s == _ARENA else src[s].data_ptr()) + off
-                for i, s, off, desc in descriptors:
-                    moved = object.__new__(type(desc))
-                    moved.__dict__.update(desc.__dict__)
-                    moved.base = _Address((base if s == _ARENA else src[s].data_ptr()) + off)
-                    values[i] = moved
-                direct(*grid, stream, None, None, None, values)
+                for i, s, off, desc, meta, encoded in descriptors:
+                    address = (base if s == _ARENA else src[s].data_ptr()) + off
+                    expansion = encoded.get(address)
+                    if expansion is None:  # (a new address: the descriptor moved there, encoded once)
+                        moved = object.__new__(type(desc))
+                        moved.__dict__.update(desc.__dict__)
+                        moved.base = _Address(address)
+                        if len(encoded) >= _ENCODED_LIMIT:
+                            encoded.clear()
+                        expansion = encoded[address] = direct.make(moved, meta)
+                    values[i:i + 1] = expansion
+                direct.launch_expanded(*grid, stream, values)
             for s in drops:  # (a source's last use: freed where the function freed it, stream-ordered)
                 src[s] = None
         del arena
