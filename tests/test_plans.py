@@ -17,10 +17,10 @@ from moekit.plans import plan_counts, planned
 _LOG: list = []
 
 
-def _launch(grid, values):
+def _launch(grid, values, direct=None):
     """A launch as the launch layer makes it: reported to a recording, then logged with its addresses."""
     if settings.recorder() is not None:
-        settings.recorder().launch("compiled", _direct, grid, values)
+        settings.recorder().launch("compiled", direct or _direct, grid, values)
     else:
         settings.note_launch()
     _LOG.append(("run", (*grid, 1, 1)[:3], [_address(v) for v in values]))
@@ -28,16 +28,18 @@ def _launch(grid, values):
 
 class _Direct:
     """The launch layer's direct launch (``launch._Direct``), stood in for: a replay's launch is logged
-    with its addresses, each descriptor expanded as ("desc", base address, shape, box); ``made`` counts
-    the encodings."""
+    with its addresses, each descriptor expanded as ("desc", base address, shape, box), "dims"; ``made``
+    counts the encodings."""
 
-    slots = ((0, "meta"),)  # (position, metadata) of the descriptor arguments; a kernel's own
     made = 0
 
+    def __init__(self, slots=()):
+        self.slots = slots  # (position, metadata) of the descriptor arguments, descending; a kernel's own
+
     def make(self, d, meta):
-        assert meta == "meta"
+        assert meta == "meta" and TensorDescriptor is not None and isinstance(d, TensorDescriptor)
         _Direct.made += 1
-        return [("desc", d.base.data_ptr(), tuple(d.shape), tuple(d.block_shape))]
+        return [("desc", d.base.data_ptr(), tuple(d.shape), tuple(d.block_shape)), "dims"]  # (as Triton: several)
 
     def launch_expanded(self, g0, g1, g2, stream, args):
         assert stream == "stream"
@@ -103,7 +105,7 @@ def test_replay_moves_a_descriptors_base(stand_in, monkeypatch):
     @planned
     def boxed(x):
         out = config.empty((x.shape[0], 16), dtype=x.dtype, device=x.device)
-        _launch((1,), [descriptor(x[2:], [x.shape[0] - 2, 16], [16, 1], [2, 16]), out])
+        _launch((1,), [descriptor(x[2:], [x.shape[0] - 2, 16], [16, 1], [2, 16]), out], _Direct(((0, "meta"),)))
         return out
 
     x1, x2 = torch.randn(6, 16), torch.randn(6, 16)
@@ -112,11 +114,37 @@ def test_replay_moves_a_descriptors_base(stand_in, monkeypatch):
     made = _Direct.made
     for _ in range(3):  # encoded once at an address, then reused
         o2 = boxed(x2)
-        assert _LOG[-1] == ("replay", (1, 1, 1), [("desc", x2.data_ptr() + 2 * 16 * 4, (4, 16), (2, 16)),
+        assert _LOG[-1] == ("replay", (1, 1, 1), [("desc", x2.data_ptr() + 2 * 16 * 4, (4, 16), (2, 16)), "dims",
                                                   o2.data_ptr()])
     assert _Direct.made == made + 1
     boxed(x1)
     assert _LOG[-1][2][0] == ("desc", x1.data_ptr() + 2 * 16 * 4, (4, 16), (2, 16)) and _Direct.made == made + 2
+
+
+@pytest.mark.skipif(TensorDescriptor is None, reason="needs Triton's host tensor descriptors")
+def test_a_descriptor_over_constant_memory_is_expanded_once_where_it_stands(stand_in, monkeypatch):
+    """A descriptor over registered constant memory, between moving ones: expanded when the plan is made
+    (at its recorded address), the moving ones after it at their shifted positions."""
+    monkeypatch.setattr(launch, "DESCRIPTORS", (TensorDescriptor,))
+    ones = plans.constant(torch.ones(4, 16))
+    direct = _Direct(((3, "meta"), (1, "meta"), (0, "meta")))
+
+    @planned
+    def boxed(x):
+        out = config.empty((x.shape[0],), dtype=x.dtype, device=x.device)
+        box = [x.shape[0], 16], [16, 1], [2, 16]
+        _launch((1,), [descriptor(x, *box), descriptor(ones, [4, 16], [16, 1], [2, 16]), out,
+                       descriptor(x[2:], [x.shape[0] - 2, 16], [16, 1], [2, 16])], direct)
+        return out
+
+    x1, x2 = torch.randn(6, 16), torch.randn(6, 16)
+    boxed(x1)
+    boxed(x1)
+    for _ in range(2):
+        out = boxed(x2)
+        assert _LOG[-1] == ("replay", (1, 1, 1), [("desc", x2.data_ptr(), (6, 16), (2, 16)), "dims",
+                                                  ("desc", ones.data_ptr(), (4, 16), (2, 16)), "dims", out.data_ptr(),
+                                                  ("desc", x2.data_ptr() + 2 * 16 * 4, (4, 16), (2, 16)), "dims"])
 
 
 def test_a_replay_allocates_through_the_public_binding_with_the_recorded_layout(stand_in):

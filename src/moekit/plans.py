@@ -336,11 +336,12 @@ def _lean(steps: list, n_sources: int, n_inputs: int, alias: dict, empties: dict
     for k, step in enumerate(kept):
         if step[0] == _LAUNCH:
             _, compiled, direct, grid, template, pointers, descriptors = step
-            pointers = tuple((i, *where(s, off)) for i, s, off in pointers)
+            template, at = _expand_constants(direct, template, {d[0] for d in descriptors})
+            pointers = tuple((at(i), *where(s, off)) for i, s, off in pointers)
             metas = dict(direct.slots) if descriptors else {}
             # (descending positions: each splice of an expansion leaves the earlier ones in place; per
             # descriptor its encodings by address, the rest of what they encode being the recording's)
-            descriptors = tuple((i, *where(s, off), desc, metas[i], {})
+            descriptors = tuple((at(i), *where(s, off), desc, metas[i], {})
                                 for i, s, off, desc in sorted(descriptors, key=lambda d: -d[0]))
             step = (_LAUNCH, direct, (*grid, 1, 1)[:3], template, pointers, descriptors)
             used = [s for _, s, _ in pointers] + [d[1] for d in descriptors]
@@ -357,6 +358,21 @@ def _lean(steps: list, n_sources: int, n_inputs: int, alias: dict, empties: dict
             drops.setdefault(k, []).append(s)
     lean = [(*step, tuple(drops.get(k, ()))) for k, step in enumerate(lean)]
     return _Plan(lean, n_sources, n_inputs, size, outputs)
+
+
+def _expand_constants(direct, template: tuple, moving: set):
+    """(template with its descriptors over constant memory expanded once, as the launch encodes them,
+    and the map from a position in ``template`` to its position in the result)."""
+    fixed = sorted((i for i, _ in direct.slots if i not in moving), reverse=True) if direct.slots else []
+    if not fixed:
+        return template, lambda i: i
+    metas, values = dict(direct.slots), list(template)
+    grown = []  # (position, extra arguments its expansion adds)
+    for i in fixed:
+        expansion = direct.make(values[i], metas[i])
+        values[i:i + 1] = expansion
+        grown.append((i, len(expansion) - 1))
+    return tuple(values), lambda i: i + sum(extra for j, extra in grown if j < i)
 
 
 class _Plan:
