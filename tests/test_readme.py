@@ -2,6 +2,7 @@
 inputs its comments describe (small sizes; on the CPU suite the kernels run under the interpreter)."""
 
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -61,7 +62,9 @@ def _nvfp4_inputs():  # K = F = 64: packed weights take K in multiples of 64
 def _fp8_inputs():
     return dict(x=torch.randn(M, K, dtype=torch.bfloat16), w=torch.randn(E, 200, K, dtype=torch.bfloat16),
                 dy=torch.randn(M, 200, dtype=torch.bfloat16), offs=torch.tensor([10, 10, 30, 41], dtype=torch.int32),
-                dim=D, hidden_dim=F, num_experts=E, top_k=TOP_K)
+                dim=D, hidden_dim=F, num_experts=E, top_k=TOP_K,
+                micro_batches=[torch.randn(9, D, dtype=torch.bfloat16) for _ in range(2)],
+                opt=types.SimpleNamespace(step=lambda: None))
 
 
 # block -> its prelude, or why it does not run here (one line each)

@@ -27,6 +27,7 @@ from .nvfp4 import (
     swiglu_quantize_nvfp4,
     swiglu_quantize_nvfp4_ref,
 )
+from .quantized import weight_cache
 from .reference import grouped_mm_downproj_ref, grouped_mm_ref, grouped_mm_swiglu_ref, swiglu_ref
 from .routing import (
     Dispatch,
@@ -85,5 +86,6 @@ __all__ = [
     "swiglu_ref",
     "topk_router",
     "warmup",
+    "weight_cache",
     "__version__",
 ]

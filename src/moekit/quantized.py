@@ -8,9 +8,15 @@ the bf16 experts up to the quantization: the permute-free row gather (each token
 without atomics where ``row_of`` is given), the up-projection, its bias, the SwiGLU, the routing weights
 (``row_scale``), the down-projection and its bias. The SwiGLU and the biases run unfused, in the
 activation dtype; rows past offs[-1] come out as zeros.
+
+:func:`weight_cache` scopes the quantized weights: inside it each precision quantizes a weight once (per
+direction, recipe and version) and reuses it, as across the micro-batches of one optimizer step.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +41,52 @@ def recipe_of(arg, recipe_cls: type, name: str):
     if not isinstance(arg, recipe_cls):
         raise TypeError(f"{name} must be a bool or a moekit.{name}.TrainingRecipe, got {type(arg).__name__}")
     return arg
+
+
+_CACHE: dict | None = None  # the open weight_cache scope's entries (process-wide: backwards run on other threads)
+
+
+@contextlib.contextmanager
+def weight_cache():
+    """A scope in which the FP8 and NVFP4 experts quantize each weight once and reuse it: the forward's
+    quantized weight, and the dgrad's where it is quantized apart, per weight memory, view (shape,
+    strides), dtype, recipe and version. Wrap the micro-batches of one optimizer step (the optimizer step
+    outside it)::
+
+        with moekit.weight_cache():
+            for x, target in micro_batches:
+                loss_fn(moe(x), target).backward()
+        opt.step()
+
+    The weights must not change inside the scope: an in-place write that autograd sees (``torch.optim``'s,
+    any op under ``no_grad``) bumps the version and the weight is quantized again, but a write through
+    ``.data`` is not seen. The quantized copies (about half a bf16 weight's bytes per direction) are held
+    until the outermost scope ends. Nothing is cached while ``torch.compile`` traces or a CUDA graph
+    captures (a graph would keep reading the copies after the scope frees them); nested scopes share the
+    outermost one. Outputs and gradients are the uncached ones bit for bit."""
+    global _CACHE
+    outer = _CACHE is not None
+    if not outer:
+        _CACHE = {}
+    try:
+        yield
+    finally:
+        if not outer:
+            _CACHE = None
+
+
+def cached_weight(w: torch.Tensor, tag, quantize: Callable[[torch.Tensor], tuple]) -> tuple:
+    """``quantize(w)``, or inside :func:`weight_cache` its result for ``w``'s memory, view, dtype and version
+    under ``tag`` (what else decides the result: the direction and the recipe's flags), made once. The entry
+    holds ``w``, so no other tensor can take its memory while the scope lasts."""
+    cache = _CACHE
+    if cache is None or torch.compiler.is_compiling() or (w.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return quantize(w)
+    key = (tag, w.data_ptr(), w.shape, w.stride(), w.dtype, w.device)
+    entry = cache.get(key)
+    if entry is None or entry[1] != w._version:
+        entry = cache[key] = (w, w._version, quantize(w))
+    return entry[2]
 
 
 def _bias_rows(bias: torch.Tensor, expert: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -69,4 +121,4 @@ class QuantizedExperts(nn.Module):
         return out
 
 
-__all__ = ["QuantizedExperts", "recipe_of", "row_experts"]
+__all__ = ["QuantizedExperts", "cached_weight", "recipe_of", "row_experts", "weight_cache"]

@@ -26,7 +26,7 @@ import dataclasses
 import torch
 
 from ..grouped_gemm import grouped_mm
-from ..quantized import QuantizedExperts, recipe_of
+from ..quantized import QuantizedExperts, cached_weight, recipe_of
 from .formats import quantize, quantize_ragged_t, quantize_weights
 from .gemm import grouped_mm_fp8, weight_grad_fp8
 
@@ -60,7 +60,7 @@ class FP8GroupedLinearFn(torch.autograd.Function):
     def forward(ctx, x, w, offs, recipe: TrainingRecipe):
         pow2 = recipe.pow2_scales
         xq, xs = quantize(x, pow2_scales=pow2)
-        wq, ws = quantize_weights(w.mT, pow2_scales=pow2)  # (E, N, K): the parameter's own blocks
+        wq, ws = cached_weight(w.mT, ("fp8", pow2), lambda t: quantize_weights(t, pow2_scales=pow2))  # (E, N, K)
         y = grouped_mm_fp8(xq, xs, wq, ws, offs, out_dtype=x.dtype)
         if recipe.wgrad and ctx.needs_input_grad[1]:
             xt, xts, _ = quantize_ragged_t(x, offs, pow2_scales=pow2)
@@ -79,7 +79,8 @@ class FP8GroupedLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             if recipe.dgrad:
                 dyq, dys = quantize(dy, pow2_scales=recipe.pow2_scales)
-                wtq, wts = quantize_weights(w, pow2_scales=recipe.pow2_scales)  # (E, K, N): W^T's blocks
+                pow2 = recipe.pow2_scales  # (E, K, N): W^T's blocks
+                wtq, wts = cached_weight(w, ("fp8", pow2), lambda t: quantize_weights(t, pow2_scales=pow2))
                 dx = grouped_mm_fp8(dyq, dys, wtq, wts, offs, out_dtype=ctx.x_dtype)
             else:
                 dx = grouped_mm(dy, w.mT.to(dy.dtype), offs)
@@ -95,7 +96,7 @@ class FP8GroupedLinearFn(torch.autograd.Function):
 
 class FP8Training(QuantizedExperts):
     """The FP8 precision of one :class:`moekit.GroupedExperts` (``moekit.quantized``'s interface): its recipe.
-    It holds no state: nothing random, nothing cached between steps."""
+    It holds no state: nothing random, nothing cached between steps (but inside ``moekit.weight_cache``)."""
 
     def __init__(self, recipe: TrainingRecipe):
         super().__init__()

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ..grouped_gemm import grouped_mm
-from ..quantized import QuantizedExperts, recipe_of, row_experts
+from ..quantized import QuantizedExperts, cached_weight, recipe_of, row_experts
 from . import formats as nvfp4
 from .gemm import grouped_mm_nvfp4_wgrad
 
@@ -138,7 +138,12 @@ def _quantize(x: torch.Tensor, stochastic: bool, stream: RandomStream | None) ->
 
 
 def _quantize_weights(w: torch.Tensor, block_2d: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """w (E, K, N) along K -> (decoded (E, N, K) bf16, global scales (E,) fp32, one per expert)."""
+    """w (E, K, N) along K -> (decoded (E, N, K) bf16, global scales (E,) fp32, one per expert); once per
+    ``moekit.weight_cache`` scope."""
+    return cached_weight(w, ("nvfp4", block_2d), lambda t: _quantize_weights_now(t, block_2d))
+
+
+def _quantize_weights_now(w: torch.Tensor, block_2d: bool) -> tuple[torch.Tensor, torch.Tensor]:
     values, scales, g = nvfp4.quantize_weights(w, block_2d=block_2d)
     return _decode(values, scales), g
 
