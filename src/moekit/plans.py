@@ -23,12 +23,12 @@ and launches kernels; below T ~ 4096 those decisions are most of an eager block 
   on its next call.
 - **Replay.** Later calls of the key run the recorded ops on this call's tensors and launch the
   recorded kernels with each pointer moved (each TMA descriptor encoded once per address it meets, the
-  plan keeping its encodings by address: the rest of what it encodes is the recording's), and return
-  the outputs. The ops and the kernels are the recorded ones on
-  the same values, so the bits are the function's (the common ops through torch's public bindings,
-  allocations as ``torch.empty_strided``: an op overload's generic call costs more host). A view that
-  only kernels read is not rebuilt, small kernel-only scratch comes from one allocation, and every
-  other intermediate is dropped after its last use, where the function dropped it.
+  plan keeping its encodings by address: the rest of what it encodes is the recording's; one over
+  constant memory encoded when the plan is made), and return the outputs. The ops and the kernels are
+  the recorded ones on the same values, so the bits are the function's (the common ops through torch's
+  public bindings, allocations as ``torch.empty_strided``: an op overload's generic call costs more
+  host). A view that only kernels read is not rebuilt, small kernel-only scratch comes from one
+  allocation, and every other intermediate is dropped after its last use, where the function dropped it.
 
 Plans run with the ``plans`` and ``fast_launch`` options on, off Triton's interpreter, while no launch
 hook (a profiler), dispatch mode or function mode is set, and never in a recording: a planned function
