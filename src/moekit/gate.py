@@ -146,11 +146,12 @@ def router_logits_bwd_op(
     rounded to x.dtype; empty tensors stand in for gradients not needed; dx plus ``dx_add`` where given.
     One kernel where Triton runs (``router_logits_bwd_fwd``), up to ``KERNEL_MAX_TOKENS`` tokens on a GPU;
     past them two cuBLAS GEMMs."""
+    tensor_cores = config.uses_triton(x.device) and x.dtype == torch.bfloat16 and weight.dtype == torch.float32
+    if tensor_cores and not (x.is_cuda and x.shape[0] > KERNEL_MAX_TOKENS):
+        return router_logits_bwd_fwd(grad, x, weight, need_x, need_w, dx_add)  # (it checks dx_add)
     if dx_add is not None and need_x:
         _check_dx_add(dx_add, x)
-    if config.uses_triton(x.device) and x.dtype == torch.bfloat16 and weight.dtype == torch.float32:
-        if not (x.is_cuda and x.shape[0] > KERNEL_MAX_TOKENS):
-            return router_logits_bwd_fwd(grad, x, weight, need_x, need_w, dx_add)
+    if tensor_cores:
         g = grad.to(x.dtype)
         dx = torch.mm(g, weight.to(x.dtype)) if need_x else x.new_empty(0)
         if need_x and dx_add is not None:
