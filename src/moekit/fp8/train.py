@@ -79,8 +79,9 @@ class FP8GroupedLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             if recipe.dgrad:
                 dyq, dys = quantize(dy, pow2_scales=recipe.pow2_scales)
-                pow2 = recipe.pow2_scales  # (E, K, N): W^T's blocks
-                wtq, wts = cached_weight(w, ("fp8", pow2), lambda t: quantize_weights(t, pow2_scales=pow2))
+                pow2 = recipe.pow2_scales
+                wtq, wts = cached_weight(w, ("fp8", pow2),  # (E, K, N): W^T's blocks
+                                         lambda t: quantize_weights(t, pow2_scales=pow2))
                 dx = grouped_mm_fp8(dyq, dys, wtq, wts, offs, out_dtype=ctx.x_dtype)
             else:
                 dx = grouped_mm(dy, w.mT.to(dy.dtype), offs)
