@@ -76,8 +76,9 @@ def test_topk_router(interpreter, score_func, renormalize):
 def test_fused_router_equals_its_composition_and_saves_only_the_scores(interpreter, score_func, renormalize, biases):
     """topk_router without aux loss is one op whose backward reads the scores it saved (and recomputes
     nothing): its weights, experts and the gradients of x, the gate weight and its bias are those of the
-    composition that aux_loss=True runs (router_logits, the scores, the top-k kernel), bit for bit, and
-    the one (T, E) tensor it saves for the backward is the fp32 scores."""
+    composition that aux_loss=True runs (router_logits, the scores, the top-k kernel), bit for bit (through
+    a softmax, up to the rounding of its backward's row sum, which the op takes in the top-k weights'
+    kernel), and the one (T, E) tensor it saves for the backward is the fp32 scores."""
     t, d, e, k = 40, 24, 12, 3
     x = torch.randn(t, d, dtype=BF16, requires_grad=True)
     w = (torch.randn(e, d) * 0.3).requires_grad_()
@@ -101,7 +102,11 @@ def test_fused_router_equals_its_composition_and_saves_only_the_scores(interpret
     got = torch.autograd.grad(r.weights, params, dw)
     want = torch.autograd.grad(want_w, params, dw)
     for g, h in zip(got, want, strict=True):
-        assert torch.equal(g, h), (g - h).abs().max()
+        if score_func == "sigmoid":
+            assert torch.equal(g, h), (g - h).abs().max()
+        else:  # the softmax backward's row sum in the top-k kernel's order: fp32 rounding, then x's bf16
+            tol = 2.0 ** -7 if g.dtype == BF16 else 1e-6
+            torch.testing.assert_close(g, h, rtol=tol, atol=tol * h.abs().max().item())
 
 
 def test_fused_router_under_autocast_recomputes_the_forwards_logits(interpreter):
@@ -195,6 +200,40 @@ def test_topk_weights_grad_kernel_matches_reference(interpreter, t, e, k, renorm
     err = (got.double() - want).abs().amax(1) / want.abs().amax(1)  # per row, relative to its largest entry
     assert err.max() < 1e-6, err.max()
     assert topk_weights_grad_fwd(dw[:0], scores[:0], experts[:0], renormalize).shape == (0, e)
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("t, e, k", [(37, 16, 4), (5, 128, 8), (9, 6, 6)], ids=["e16k4", "e128k8", "k-eq-e"])
+def test_topk_weights_grad_kernel_through_the_score_function(interpreter, t, e, k, score_func):
+    """With score_func the kernel returns the logits' gradient: torch's softmax / sigmoid backward of the
+    scores' gradient, against float64 within 4x the error of torch's fp32 composition, every entry written
+    (the softmax's off the chosen columns too); the
+    sigmoid's bit for bit against torch's fp32 backward of the kernel's own scores' gradient; a NaN
+    score propagates as through torch's backward."""
+    logits = torch.randn(t, e) * 3
+    scores = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
+    experts = scores.topk(k, -1).indices.to(torch.int32)
+    dw = torch.randn(t, k)
+    for renormalize in (True, False):
+        got = topk_weights_grad_fwd(dw, scores, experts, renormalize, score_func)
+        want = topk_weights_grad_ref(dw.double(), scores.double(), experts.long(), renormalize, score_func)
+        torch32 = topk_weights_grad_ref(dw, scores, experts.long(), renormalize, score_func)
+        err, err32 = ((a.double() - want).abs().amax(1) / want.abs().amax(1) for a in (got, torch32))
+        assert err.max() < max(4 * err32.max(), 1e-6), (err.max(), err32.max())  # torch fp32 order
+        if score_func == "sigmoid":
+            ds = topk_weights_grad_fwd(dw, scores, experts, renormalize)
+            assert torch.equal(got, torch.ops.aten.sigmoid_backward(ds, scores))
+        elif not renormalize:  # off the chosen columns too: -s_j * sum
+            assert (got != 0).all()
+    scores[1, 0] = float("nan")
+    got = topk_weights_grad_fwd(dw, scores, experts, True, score_func)
+    want = topk_weights_grad_ref(dw, scores, experts.long(), True, score_func)
+    assert torch.equal(got.isnan(), want.isnan()) and got[1].isnan().any()
+    assert topk_weights_grad_fwd(dw[:0], scores[:0], experts[:0], True, score_func).shape == (0, e)
+    with pytest.raises(ValueError, match="score_func"):
+        topk_weights_grad_fwd(dw, scores, experts, True, "tanh")
+    with pytest.raises(ValueError, match="score_func"):
+        topk_weights_grad_ref(dw, scores, experts.long(), True, "tanh")
 
 
 def split_bf16_case(device):

@@ -112,9 +112,12 @@ def router_topk_ref(logits: torch.Tensor, top_k: int, *, score_func: str = "soft
 
 
 def topk_weights_grad_ref(dw: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor,
-                          renormalize: bool) -> torch.Tensor:
+                          renormalize: bool, score_func: str | None = None) -> torch.Tensor:
     """The scores' gradient (T, E) of ``router_topk_ref``'s weights (the chosen experts' scores, divided
-    by their sum when ``renormalize``), given dw (T, K) and the chosen experts (T, K) int32 or int64."""
+    by their sum when ``renormalize``), given dw (T, K) and the chosen experts (T, K) int32 or int64. With
+    ``score_func`` "softmax" or "sigmoid" (scores = that function of the logits), the logits' gradient
+    (T, E) instead: torch's softmax or sigmoid backward of the scores' gradient."""
+    _check_score_func(score_func)
     dw = dw.to(scores.dtype)
     experts = experts.long()
     if renormalize:
@@ -123,7 +126,20 @@ def topk_weights_grad_ref(dw: torch.Tensor, scores: torch.Tensor, experts: torch
         kept = total >= 1e-20  # (below, the clamp holds the divisor constant)
         w = picked / total.clamp_min(1e-20)
         dw = (dw - kept * (w * dw).sum(-1, keepdim=True)) / total.clamp_min(1e-20)
-    return torch.zeros_like(scores).scatter(1, experts, dw)
+    ds = torch.zeros_like(scores).scatter(1, experts, dw)
+    return ds if score_func is None else _score_backward(ds, scores, score_func)
+
+
+def _score_backward(ds: torch.Tensor, scores: torch.Tensor, score_func: str) -> torch.Tensor:
+    """The logits' gradient from the scores' ds, torch's backward of ``score_func`` (scores fp32)."""
+    if score_func == "sigmoid":
+        return torch.ops.aten.sigmoid_backward(ds, scores)
+    return torch.ops.aten._softmax_backward_data(ds, scores, -1, scores.dtype)
+
+
+def _check_score_func(score_func) -> None:
+    if score_func not in (None, "softmax", "sigmoid"):
+        raise ValueError(f"topk_weights_grad: score_func must be None, 'softmax' or 'sigmoid', got {score_func!r}")
 
 
 def combine_ref(y: torch.Tensor, weights: torch.Tensor | None, row_of: torch.Tensor) -> torch.Tensor:
@@ -199,11 +215,17 @@ def router_topk_fwd(key: torch.Tensor, scores: torch.Tensor, top_k: int, renorma
     return weights, experts
 
 
+_SCORE_GRAD = {None: 0, "softmax": 1, "sigmoid": 2}  # the kernel's SCORES
+
+
 @planned
 def topk_weights_grad_fwd(dw: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor,
-                          renormalize: bool) -> torch.Tensor:
+                          renormalize: bool, score_func: str | None = None) -> torch.Tensor:
     """Triton twin of ``topk_weights_grad_ref``: dw (T, K), scores (T, E) fp32, experts (T, K) int32
-    -> the scores' gradient (T, E) fp32, in one kernel."""
+    -> the scores' gradient (T, E) fp32, or with ``score_func`` the logits', in one kernel (the softmax
+    backward's row sum in the kernel's order, not torch's: the last bits may differ; the sigmoid's are
+    torch's)."""
+    _check_score_func(score_func)
     t, e = scores.shape
     k = experts.shape[1]
     scores = scores.contiguous()  # the kernel reads a row's entries at unit stride
@@ -213,7 +235,7 @@ def topk_weights_grad_fwd(dw: torch.Tensor, scores: torch.Tensor, experts: torch
         block_t = max(1, min(32, 8192 // (block_e * block_k)))
         launch.kernel(_topk_weights_grad_kernel)[(launch.cdiv(t, block_t),)](
             dw.float().contiguous(), scores, experts.contiguous(), ds, t, e, scores.stride(0), K=k,
-            RENORM=renormalize, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k,
+            RENORM=renormalize, SCORES=_SCORE_GRAD[score_func], BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k,
         )
     return ds
 
@@ -340,22 +362,24 @@ _router_topk_op.register_autograd(_router_topk_backward, setup_context=_router_t
 
 @custom_op("moekit::topk_weights_grad")
 def _topk_weights_grad_op(dw: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor,
-                          renormalize: bool) -> torch.Tensor:
-    return topk_weights_grad_fwd(dw, scores, experts, renormalize)
+                          renormalize: bool, score_func: str | None) -> torch.Tensor:
+    return topk_weights_grad_fwd(dw, scores, experts, renormalize, score_func)
 
 
 @_topk_weights_grad_op.register_fake
-def _(dw, scores, experts, renormalize):
+def _(dw, scores, experts, renormalize, score_func):
     return scores.new_empty(scores.shape, dtype=torch.float32)
 
 
-def topk_weights_grad(dw: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor, renormalize: bool):
-    """The scores' gradient of the top-k weights (``topk_weights_grad_ref``), one kernel where Triton runs.
-    While autograd records (a double backward, ``create_graph=True``) the differentiable reference runs."""
+def topk_weights_grad(dw: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor, renormalize: bool,
+                      score_func: str | None = None):
+    """The scores' gradient of the top-k weights, or with ``score_func`` the logits'
+    (``topk_weights_grad_ref``), one kernel where Triton runs. While autograd records (a double backward,
+    ``create_graph=True``) the differentiable reference runs."""
     recording = torch.is_grad_enabled() and (dw.requires_grad or scores.requires_grad)
     if recording or not config.uses_triton(scores.device):
-        return topk_weights_grad_ref(dw, scores, experts, renormalize)
-    return _topk_weights_grad_op(dw, scores, experts, renormalize)
+        return topk_weights_grad_ref(dw, scores, experts, renormalize, score_func)
+    return _topk_weights_grad_op(dw, scores, experts, renormalize, score_func)
 
 
 @custom_op("moekit::scatter_weights")
@@ -390,7 +414,8 @@ def router_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     loss, in one op. The scores are returned so that its backward reads them instead of recomputing the
     logits (a GEMM and five small ops, ~0.1 ms of an eager step's host time, for T * E * 4 bytes kept);
     the backward takes the gradients the composition of ``router_logits``, the scores and
-    ``_router_topk_op`` would (bit for bit where the top-k kernel runs; on the pure-PyTorch path the
+    ``_router_topk_op`` would (bit for bit where the top-k kernel runs, but for the softmax backward's row
+    sum, which the top-k weights' gradient kernel takes in its own order; on the pure-PyTorch path the
     composition differentiates ``router_topk_ref`` by autograd, which rounds differently)."""
     logits = router_logits(x, weight, bias)
     scores = _scores(logits, sigmoid)
@@ -433,13 +458,12 @@ def router_grads(dw, d_scores, x, weight, bias, experts, scores, sigmoid: bool, 
     saved: x (T, D), the gate weight (E, D) and bias (E,) or None, experts (T, K) int32, scores (T, E).
     With ``dx_add`` (another gradient of x, x's dtype and shape), dx is ``dx_add + dx`` (where x is bf16
     on a GPU, in the same kernel)."""
-    ds = None if dw is None else topk_weights_grad(dw, scores, experts, renormalize)
-    if d_scores is not None:  # (topk_router does not return the scores: only a direct caller of the op)
-        ds = d_scores if ds is None else ds + d_scores
-    if sigmoid:
-        dl = torch.ops.aten.sigmoid_backward(ds, scores)
-    else:
-        dl = torch.ops.aten._softmax_backward_data(ds, scores, -1, torch.float32)
+    score_func = "sigmoid" if sigmoid else "softmax"
+    if d_scores is None:  # the logits' gradient in the top-k weights' kernel (topk_router returns no scores)
+        dl = topk_weights_grad(dw, scores, experts, renormalize, score_func)
+    else:  # (a direct caller of the op: the scores' gradient from both, then the score function's backward)
+        ds = d_scores if dw is None else topk_weights_grad(dw, scores, experts, renormalize) + d_scores
+        dl = _score_backward(ds, scores, score_func)
     db = dl.sum(0) if bias is not None and need_b else None
     if x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.float32:
         dx, dwt = router_logits_bwd_op(dl, x, weight, need_x, need_w, dx_add)

@@ -72,8 +72,8 @@ def _router_topk_kernel(
 @triton.jit
 def _topk_weights_grad_kernel(
     dw, scores, experts, ds, T, E, stride_scores,  # dw (T, K) fp32, experts (T, K) int; scores, ds (T, E) fp32
-    K: tl.constexpr, RENORM: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    K: tl.constexpr, RENORM: tl.constexpr, SCORES: tl.constexpr,  # SCORES: 0 the scores' grad, 1 / 2 the logits'
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,  # through a softmax / sigmoid
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
@@ -91,7 +91,14 @@ def _topk_weights_grad_kernel(
     cols = tl.arange(0, BLOCK_E)
     hit = ids[:, :, None] == cols[None, None, :]  # (BLOCK_T, BLOCK_K, BLOCK_E); padding ids are -1
     out = tl.sum(tl.where(hit, g[:, :, None], 0.0), 1)
-    tl.store(ds + rows[:, None].to(tl.int64) * E + cols[None, :], out, mask=row_ok[:, None] & (cols[None, :] < E))
+    inside = row_ok[:, None] & (cols[None, :] < E)
+    if SCORES != 0:  # torch's softmax / sigmoid backward on the scores' gradient (zero off the chosen columns)
+        s = tl.load(scores + rows[:, None].to(tl.int64) * stride_scores + cols[None, :], mask=inside, other=0.0)
+        if SCORES == 1:
+            out = s * (out - tl.sum(out * s, 1)[:, None])
+        else:
+            out = out * (1.0 - s) * s
+    tl.store(ds + rows[:, None].to(tl.int64) * E + cols[None, :], out, mask=inside)
 
 
 @triton.jit
