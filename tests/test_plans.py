@@ -446,6 +446,28 @@ def test_a_replay_skips_views_that_only_kernels_read(stand_in):
     assert ops == ["aten.empty.memory_format", "aten.slice.Tensor", "aten.add.Tensor"]  # (no transpose, one slice)
 
 
+def test_a_view_that_undoes_a_view_replays_as_the_tensor_it_views(stand_in):
+    """``t.mT.mT`` of a recorded tensor (a weight gradient computed transposed and turned back) runs no
+    view op in a replay: the output is the recorded tensor itself, same address, shape and strides. A view
+    of an input that undoes a view stays a view op (an input is never returned as itself)."""
+    @planned
+    def launcher(x):
+        out = config.empty((3, 4), dtype=x.dtype, device=x.device)
+        _launch((1,), [x, out])
+        return out.mT.mT, x.mT.mT
+
+    for _ in range(2):
+        launcher(torch.randn(3, 4))
+    x = torch.randn(3, 4)
+    back, same = launcher(x)
+    assert _LOG[-1] == ("replay", (1, 1, 1), [x.data_ptr(), back.data_ptr()])
+    assert back.shape == (3, 4) and back.stride() == (4, 1) and back._base is None
+    assert same.data_ptr() == x.data_ptr() and same.stride() == x.stride() and same is not x
+    (plan,) = launcher.plans.values()
+    ops = [str(step[9]) for step in plan.steps if step[0] == plans._OP]
+    assert ops == ["aten.empty.memory_format", "aten.transpose.int", "aten.transpose.int"], ops  # (x's two)
+
+
 def test_registered_constant_memory_stays_where_it_is(stand_in):
     ones = plans.constant(torch.ones(4))
 

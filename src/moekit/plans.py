@@ -119,6 +119,7 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.grad = torch.is_grad_enabled()
         self.sources = [weakref.ref(t) for t in inputs]  # (weak: a tensor goes when the function drops it)
+        self.n_inputs = len(inputs)
         self.index, self.refs, self.views, self.detached = {}, {}, {}, set()
         for i in reversed(range(len(inputs))):
             self._source(inputs[i], i)
@@ -202,6 +203,11 @@ class _Recorder(TorchDispatchMode):
         if any(o.device.type == "cpu" for o in outs) and any(
                 isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in (*args, *kwargs.values())):
             return False  # a copy to the host: its values could steer the function
+        if func in _VIEWS and slots and slots[0][:2] == (0, -1) and not many:
+            same = self._same_view(slots[0][2], out)
+            if same is not None:  # (a view that undoes a view, ``t.mT.mT``: no step, the earlier source itself)
+                self._source(out, same)
+                return True
         nested = tuple(sorted({i for i, j, _ in slots if j >= 0}))
         first = len(self.sources)
         if func in _ALLOCS and not kwargs.get("pin_memory") and out.layout == torch.strided:  # (no tensor args)
@@ -218,6 +224,18 @@ class _Recorder(TorchDispatchMode):
         elif func is _EMPTY and out.is_cuda and not kwargs.get("pin_memory") and out.untyped_storage().nbytes():
             self.empties[first] = out.untyped_storage().nbytes()
         return True
+
+    def _same_view(self, s: int, out: torch.Tensor):
+        """The source, among s and the sources s views (not an input), that is ``out``'s view of the same memory
+        (address, shape, strides, dtype), or None."""
+        while True:
+            t = self.sources[s]()
+            if (s >= self.n_inputs and t is not None and t.data_ptr() == out.data_ptr() and t.shape == out.shape
+                    and t.stride() == out.stride() and t.dtype == out.dtype and _same_memory(t, out)):
+                return s
+            if s not in self.alias:
+                return None
+            s = self.alias[s][0]
 
     def _where(self, t):
         """(source, byte offset from its data pointer) of tensor t's memory; None for constant memory; False
