@@ -27,8 +27,9 @@ and launches kernels; below T ~ 4096 those decisions are most of an eager block 
   constant memory encoded when the plan is made), and return the outputs. The ops and the kernels are
   the recorded ones on the same values, so the bits are the function's (the common ops through torch's
   public bindings, allocations as ``torch.empty_strided``: an op overload's generic call costs more
-  host). A view that only kernels read is not rebuilt, small kernel-only scratch comes from one
-  allocation, and every other intermediate is dropped after its last use, where the function dropped it.
+  host). A view that only kernels read is not rebuilt, a view that undoes one (``t.mT.mT``) is the tensor
+  it views, small kernel-only scratch comes from one allocation, and every other intermediate is dropped
+  after its last use, where the function dropped it.
 
 Plans run with the ``plans`` and ``fast_launch`` options on, off Triton's interpreter, while no launch
 hook (a profiler), dispatch mode or function mode is set, and never in a recording: a planned function
