@@ -159,3 +159,75 @@ def test_what_the_fused_step_leaves_to_the_composed_ops(device, request):
         moe(x.float())
     with pytest.raises(ValueError):
         moe(torch.randn(5, 48, device=device, dtype=torch.bfloat16))
+
+
+def _compiled_step(moe, x, dy, params, autocast, **opts):
+    with moekit.options(**opts):
+        with torch.autocast(x.device.type, torch.bfloat16, enabled=autocast):  # (the forward only, as AMP runs)
+            out = moe(x)
+        return out, torch.autograd.grad(out, params, dy, allow_unused=True) if params else ()
+
+
+_COMPILED_CASES = {
+    "plain": dict(config="plain"),
+    "gpt-oss": dict(config="gpt-oss"),
+    "sigmoid, x frozen": dict(config="plain", score_func="sigmoid", frozen="x"),
+    "router frozen, save_h": dict(config="gpt-oss", frozen="router", save_h=True),
+    "fp32 masters, autocast": dict(config="gpt-oss", dtype=torch.float32, autocast=True),
+    "no tokens": dict(config="plain", t=0),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(_COMPILED_CASES))
+def test_compiled_step_is_two_ops_and_the_eager_step_bit_for_bit(device, case, request):
+    """Under torch.compile(fullgraph=True) the fused step is two custom ops (moekit::moe_step and its
+    backward's), not the composed block's sixteen: the traced graphs call nothing else of moekit's, and
+    the output, every gradient and the routed counts equal the eager one-node step's bit for bit."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    device = _device(device, request)
+    kw = dict(_COMPILED_CASES[case])
+    config, frozen, t = kw.pop("config"), kw.pop("frozen", None), kw.pop("t", 37)
+    dtype, autocast, save_h = kw.pop("dtype", torch.bfloat16), kw.pop("autocast", False), kw.pop("save_h", False)
+    moe = _block(device, config, dtype=dtype, **kw)
+    x = torch.randn(t, 64, device=device, dtype=dtype, requires_grad=frozen != "x")
+    if frozen == "router":
+        moe.router.requires_grad_(False)
+    dy = torch.randn(t, 64, device=device, dtype=torch.bfloat16)
+    params = [p for p in (x, *moe.parameters()) if p.requires_grad]
+    called = []
+
+    def record(gm, _):
+        called.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "moekit" in str(n.target))
+        return gm
+
+    compiled = torch.compile(moe, fullgraph=True, backend=aot_autograd(fw_compiler=record, bw_compiler=record))
+    results = []
+    for fn in (moe, compiled):
+        moe.tokens_per_expert.zero_()
+        out, grads = _compiled_step(fn, x, dy, params, autocast, save_h=save_h)
+        results.append((out, grads, moe.tokens_per_expert.clone()))
+    torch.compiler.reset()
+    assert called == ["moekit.moe_step.default", "moekit.moe_step_backward.default"], called
+    (out_e, g_e, n_e), (out_c, g_c, n_c) = results
+    assert torch.equal(out_e, out_c) and out_c.dtype == out_e.dtype and torch.equal(n_e, n_c)
+    for a, b in zip(g_e, g_c, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_the_compiled_steps_ops_pass_opcheck(config, interpreter):
+    """The two ops' schemas, fakes (every output's shape, strides and dtype, absent ones included), autograd
+    registration and AOT dispatch (``torch.library.opcheck``)."""
+    from moekit import block
+
+    moe = _block("cpu", config)
+    x = torch.randn(37, 64, dtype=torch.bfloat16, requires_grad=True)
+    r, ex, sw = moe.router, moe.experts, moe.experts.swiglu
+    args = (x, r.weight, r.bias, moe.expert_bias, ex.mlp1_weight_EGD, ex.mlp1_bias_EG, ex.mlp2_weight_EDF,
+            ex.mlp2_bias_ED, moe.top_k, False, True, float(sw["swiglu_alpha"]), sw["swiglu_limit"],
+            float(sw["swiglu_linear_offset"]), sw["gate_up_layout"], config == "gpt-oss")
+    assert set(torch.library.opcheck(block._step_op.op, args).values()) == {"SUCCESS"}

@@ -52,10 +52,11 @@ class Options:
       each compiled kernel under its call's specialization facts and launches it directly on later
       calls, skipping Triton's per-call binding (tens of microseconds of host time per GEMM launch); off,
       every launch goes through Triton's ``fn[grid](...)``. The kernels and their bits are the same.
-    - ``fused_block`` (``MOEKIT_FUSED_BLOCK``, on): an eager :class:`moekit.MoE` step (plain tensors, no
-      hooks on its experts, no aux loss, not NVFP4) runs as one autograd node, whose forward and backward
-      call the ops' launchers directly (``moekit.block``); off, it composes the public ops, one node
-      each. The kernels and their bits are the same; the fused node spends less host time per step.
+    - ``fused_block`` (``MOEKIT_FUSED_BLOCK``, on): a :class:`moekit.MoE` step (plain tensors, no hooks on
+      its experts, no aux loss, not NVFP4 or FP8) runs as one autograd node, whose forward and backward
+      call the ops' launchers directly, or under ``torch.compile`` as two custom ops that do
+      (``moekit.block``); off, it composes the public ops, one node each. The kernels and their bits are
+      the same; the fused step spends less host time.
     - ``plans`` (``MOEKIT_PLANS``, on, with ``fast_launch``): the fused block step's forward and backward,
       and the launchers of the block's kernels, keep a launch plan per call signature (``moekit.plans``):
       later calls run the recorded torch ops and launch the recorded kernels with their pointers moved,
