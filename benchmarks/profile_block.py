@@ -3,7 +3,11 @@ CUDA time (torch.profiler), then the split into grouped GEMMs and glue and the w
 without the profiler. The block is built as the MoE-block benchmark builds it (``--config plain``:
 no biases, plain SwiGLU; ``gpt-oss``: biases and the gpt-oss SwiGLU).
 
-    python benchmarks/profile_block.py --shape qwen3-30b-a3b [--config plain] [--steps 3] [--host] [--forward]
+    python benchmarks/profile_block.py --shape qwen3-30b-a3b [--config plain] [--precision fp8] [--steps 3]
+        [--host] [--forward]
+
+``--precision fp8`` or ``nvfp4`` builds the experts in that precision (``MoE(..., fp8=True)``); every run
+ends with the kernels summed by name, the largest first.
 
 ``--forward`` profiles the forward alone (the call a training step makes, x requiring grad), and adds
 its do_bench time, the figure the MoE-block table reports as "fwd ms".
@@ -32,9 +36,10 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--host", action="store_true")
     parser.add_argument("--forward", action="store_true")
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp8", "nvfp4"])
     args = parser.parse_args()
     s = BLOCK_SHAPES[args.shape]
-    moe, x, step = training_step(s, args.config)
+    moe, x, step = training_step(s, args.config, **({} if args.precision == "bf16" else {args.precision: True}))
     if args.forward:
         def step():
             return moe(x)
@@ -48,7 +53,8 @@ def main():
     kernels = cuda_kernels(prof)
     per_step = len(kernels) // args.steps
     what = "forward" if args.forward else "step"
-    print(f"{args.shape} ({args.config}, T={s.tokens}): {per_step} kernels per {what}, the last {what}'s in order")
+    print(f"{args.shape} ({args.config}, {args.precision}, T={s.tokens}): {per_step} kernels per {what}, the last "
+          f"{what}'s in order")
     gemm = glue = 0.0
     for e in kernels[-per_step:]:
         ms = e.time_range.elapsed_us() / 1e3
@@ -69,6 +75,13 @@ def main():
     print(f"  idle between kernels: {sum(g[0] for g in gaps) / 1e3:.3f} ms in all; the longest:")
     for gap, before, after in gaps[:6]:
         print(f"    {gap / 1e3:.3f} ms between {before[:40]} and {after[:40]}")
+    by_name: dict = {}
+    for e in kernels[-per_step:]:
+        ms, n = by_name.get(e.name, (0.0, 0))
+        by_name[e.name] = (ms + e.time_range.elapsed_us() / 1e3, n + 1)
+    print("  by kernel name, the largest first:")
+    for name, (ms, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:15]:
+        print(f"    {ms:7.3f} ms  x{n:<2d} {name[:90]}")
     if args.forward:
         print(f"  do_bench: {bench_ms(step):.3f} ms per forward")
     if args.host:

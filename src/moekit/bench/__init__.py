@@ -159,7 +159,7 @@ def cuda_kernels(prof) -> list:
                   key=lambda e: e.time_range.start)
 
 
-GEMM_KERNELS = ("_grouped_mm_",)  # name prefix of moekit's grouped GEMM kernels (Triton and Gluon)
+GEMM_KERNELS = ("_grouped_mm_", "_weight_grad_")  # name prefixes of moekit's grouped GEMM kernels (all precisions)
 
 
 def step_profile(step, *, gemm_prefixes=GEMM_KERNELS) -> dict:

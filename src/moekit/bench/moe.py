@@ -28,12 +28,13 @@ CONFIGS = {
 }
 
 
-def training_step(shape: MoEShape, config: str = "plain", device="cuda"):
-    """A seeded ``MoE`` block of ``shape`` in a ``CONFIGS`` configuration, bf16 tokens x (T, D) and their
-    output gradient -> (moe, x, step), where ``step()`` runs a training step: the forward and the
-    gradients of x and every parameter."""
+def training_step(shape: MoEShape, config: str = "plain", device="cuda", **experts_kw):
+    """A seeded ``MoE`` block of ``shape`` in a ``CONFIGS`` configuration (and ``experts_kw``: ``fp8=True``,
+    ``nvfp4=True``), bf16 tokens x (T, D) and their output gradient -> (moe, x, step), where ``step()`` runs
+    a training step: the forward and the gradients of x and every parameter."""
     torch.manual_seed(0)
-    moe = MoE(shape.d, shape.f, shape.e, shape.top_k, device=device, dtype=torch.bfloat16, **CONFIGS[config])
+    moe = MoE(shape.d, shape.f, shape.e, shape.top_k, device=device, dtype=torch.bfloat16, **CONFIGS[config],
+              **experts_kw)
     x = torch.randn(shape.tokens, shape.d, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
     params = [x, *moe.parameters()]
