@@ -9,7 +9,8 @@ expert-GEMM and combine launchers directly, and the backward the gradient helper
 backwards use (``experts.up_grads``, ``routing.router_grads``). Outputs and gradients are the
 composed path's bit for bit (tests/test_block.py). Under ``torch.compile`` the same forward and backward
 are two custom ops, ``moekit::moe_step`` and ``moekit::moe_step_backward`` (with their fakes and an
-autograd formula), so that a compiled step calls two ops instead of the composed block's sixteen; same bits.
+autograd formula), so that a compiled step calls two of moekit's ops where the composed block's traced
+graphs call 11-14 (a CPU trace); same bits.
 
 :func:`step_inputs` says when the block may take it: plain tensors (no dispatch mode in eager mode, no
 tensor subclass such as FSDP2's DTensor), no hooks on the experts module (FSDP2 gathers parameters
@@ -121,7 +122,7 @@ class _MoEStepFn(torch.autograd.Function):
 
 
 # Under torch.compile the step is two custom ops, the forward's and the backward's launch plans, so that
-# Inductor calls two ops a step instead of the composed block's sixteen (each an op dispatch and a launcher).
+# Inductor calls two ops a step where the composed block's graphs call 11-14 (each a dispatch and a launcher).
 # Their outputs are tensors only: an absent one is an empty (0,) tensor, and the weights come in already cast
 # to x's dtype (the cast is an op of the traced graph, so its backward is too).
 
